@@ -1,0 +1,141 @@
+#pragma once
+// Machine ceilings measured in the same process as the kernels they bound:
+//   fp32_fma_gflops   register-only FMA loop (2 FLOP per lane per FMA), 1 thread
+//   int8_gops         register-only INT8 multiply-add loop with the kernels' instruction mix
+//                     (vpsignb ×2, vpmaddubsw, vpmaddwd, vpaddd), 2 OP per int8 pair, 1 thread
+//   read_gbps(n)      streaming read bandwidth over a 256 MiB buffer with n threads
+// Each is measured once per process (median of 5) and cached.
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include "tiledecode/backend/cpu/isa.hpp"
+
+namespace tdbench {
+
+using clock_type = std::chrono::steady_clock;
+
+template <class F>
+double median_seconds(F&& f, int reps = 5) {
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = clock_type::now();
+    f();
+    t.push_back(std::chrono::duration<double>(clock_type::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+#if TILEDECODE_X86
+TILEDECODE_TARGET_AVX2 inline float fma_loop(std::int64_t iters) {
+  // 10 independent accumulators hide the 4-cycle FMA latency on 2 FMA pipes.
+  __m256 a0 = _mm256_set1_ps(0.1f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+         a7 = a0, a8 = a0, a9 = a0;
+  const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+  for (std::int64_t i = 0; i < iters; ++i) {
+    a0 = _mm256_fmadd_ps(a0, m, c); a1 = _mm256_fmadd_ps(a1, m, c);
+    a2 = _mm256_fmadd_ps(a2, m, c); a3 = _mm256_fmadd_ps(a3, m, c);
+    a4 = _mm256_fmadd_ps(a4, m, c); a5 = _mm256_fmadd_ps(a5, m, c);
+    a6 = _mm256_fmadd_ps(a6, m, c); a7 = _mm256_fmadd_ps(a7, m, c);
+    a8 = _mm256_fmadd_ps(a8, m, c); a9 = _mm256_fmadd_ps(a9, m, c);
+  }
+  __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                           _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+  s = _mm256_add_ps(s, _mm256_add_ps(a8, a9));
+  alignas(32) float out[8];
+  _mm256_store_ps(out, s);
+  return out[0];
+}
+
+TILEDECODE_TARGET_AVX2 inline int int8_loop(std::int64_t iters) {
+  // Same mix as cpu::avx2::dot_i8x32: 2 × vpsignb, vpmaddubsw, vpmaddwd, vpaddd per 32 pairs.
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i x0 = _mm256_set1_epi8(3), x1 = _mm256_set1_epi8(-5), x2 = _mm256_set1_epi8(7),
+          x3 = _mm256_set1_epi8(-9);
+  const __m256i y = _mm256_set1_epi8(11);
+  __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0;
+  for (std::int64_t i = 0; i < iters; ++i) {
+    c0 = _mm256_add_epi32(c0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x0, x0), _mm256_sign_epi8(y, x0)), ones));
+    c1 = _mm256_add_epi32(c1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x1, x1), _mm256_sign_epi8(y, x1)), ones));
+    c2 = _mm256_add_epi32(c2, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x2, x2), _mm256_sign_epi8(y, x2)), ones));
+    c3 = _mm256_add_epi32(c3, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x3, x3), _mm256_sign_epi8(y, x3)), ones));
+    // Keep the inputs live so the compiler cannot hoist the products.
+    x0 = _mm256_xor_si256(x0, c0);
+    x1 = _mm256_xor_si256(x1, c1);
+    x2 = _mm256_xor_si256(x2, c2);
+    x3 = _mm256_xor_si256(x3, c3);
+  }
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3));
+  return _mm256_extract_epi32(s, 0);
+}
+#endif
+
+// Single-thread FP32 FMA ceiling in GFLOP/s (2 FLOP per lane per FMA).
+inline double fp32_fma_gflops() {
+  static const double v = [] {
+#if TILEDECODE_X86
+    if (!tiledecode::cpu::cpu_has_avx2()) return 0.0;
+    const std::int64_t iters = 20'000'000;
+    volatile float sink = 0;
+    const double s = median_seconds([&] { sink = sink + fma_loop(iters); });
+    return double(iters) * 10 * 8 * 2 / s * 1e-9;
+#else
+    return 0.0;
+#endif
+  }();
+  return v;
+}
+
+// Single-thread INT8 multiply-add ceiling in GOP/s (2 OP per int8 pair).
+inline double int8_gops() {
+  static const double v = [] {
+#if TILEDECODE_X86
+    if (!tiledecode::cpu::cpu_has_avx2()) return 0.0;
+    const std::int64_t iters = 20'000'000;
+    volatile int sink = 0;
+    const double s = median_seconds([&] { sink = sink + int8_loop(iters); });
+    return double(iters) * 4 * 32 * 2 / s * 1e-9;
+#else
+    return 0.0;
+#endif
+  }();
+  return v;
+}
+
+// Streaming read bandwidth (GB/s) with `threads` threads over a 256 MiB buffer.
+inline double read_gbps(int threads) {
+  static double cache[8] = {};
+  if (threads < 1 || threads > 8) return 0.0;
+  if (cache[threads - 1] > 0) return cache[threads - 1];
+  const std::size_t n = (std::size_t(256) << 20) / sizeof(std::uint64_t);
+  std::vector<std::uint64_t> buf(n, 1);
+  auto read_part = [&](std::size_t lo, std::size_t hi, std::uint64_t* out) {
+    std::uint64_t a = 0, b = 0, c = 0, d = 0;
+    for (std::size_t i = lo; i + 4 <= hi; i += 4) {
+      a += buf[i];
+      b += buf[i + 1];
+      c += buf[i + 2];
+      d += buf[i + 3];
+    }
+    *out = a + b + c + d;
+  };
+  volatile std::uint64_t sink = 0;
+  const double s = median_seconds([&] {
+    std::vector<std::uint64_t> out(threads);
+    std::vector<std::thread> ts;
+    for (int t = 1; t < threads; ++t)
+      ts.emplace_back(read_part, n * t / threads, n * (t + 1) / threads, &out[t]);
+    read_part(0, n / threads, &out[0]);
+    for (auto& th : ts) th.join();
+    for (auto o : out) sink = sink + o;
+  });
+  cache[threads - 1] = double(n * sizeof(std::uint64_t)) / s * 1e-9;
+  return cache[threads - 1];
+}
+
+}  // namespace tdbench

@@ -1,0 +1,3 @@
+#include <cstdio>
+#include "tiledecode/tiledecode.hpp"
+int main() { std::puts("placeholder"); }

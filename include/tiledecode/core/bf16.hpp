@@ -1,0 +1,45 @@
+#pragma once
+// BF16 storage type: the upper 16 bits of an IEEE-754 binary32.
+// Conversion from float rounds to nearest, ties to even (spec §2); NaN stays NaN (quiet bit
+// forced so rounding can never turn a NaN payload into Inf); ±Inf and ±0 are preserved.
+// Widening to float is exact (a 16-bit shift).
+
+#include <bit>
+#include <cstdint>
+
+namespace tiledecode {
+
+struct bf16 {
+  std::uint16_t bits = 0;
+
+  constexpr bf16() = default;
+  explicit constexpr bf16(float f) : bits(round_bits(f)) {}
+
+  static constexpr bf16 from_bits(std::uint16_t b) {
+    bf16 r;
+    r.bits = b;
+    return r;
+  }
+  constexpr float to_float() const { return std::bit_cast<float>(std::uint32_t(bits) << 16); }
+  explicit constexpr operator float() const { return to_float(); }
+
+  static constexpr std::uint16_t round_bits(float f) {
+    const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep sign and top payload, force quiet bit
+      return static_cast<std::uint16_t>((u >> 16) | 0x0040u);
+    }
+    // Round to nearest even: add 0x7fff plus the lowest kept bit, then truncate. Inf stays Inf
+    // (its low bits are zero); the largest finite values round up to Inf as IEEE requires.
+    const std::uint32_t lsb = (u >> 16) & 1u;
+    return static_cast<std::uint16_t>((u + 0x7fffu + lsb) >> 16);
+  }
+
+  friend constexpr bool operator==(bf16 a, bf16 b) { return a.bits == b.bits; }
+};
+
+static_assert(sizeof(bf16) == 2);
+
+// Round a float to the nearest BF16 value and return it as float (the "bf16(x)" of the spec).
+constexpr float round_bf16(float f) { return bf16(f).to_float(); }
+
+}  // namespace tiledecode

@@ -1,0 +1,179 @@
+#pragma once
+// Parallel execution. Kernels split their work into a fixed list of independent tasks whose
+// boundaries depend only on the problem shape, never on the thread count, and each output
+// element is produced by exactly one task with a fixed reduction order — so results are
+// bit-identical for any number of threads.
+//
+// `Executor` is the seam an engine replaces with its own scheduler. `ThreadPool` is the default
+// (sized to the hardware); `SerialExecutor` runs inline. Dispatch never allocates: the task body
+// is passed as a non-owning `FunctionRef`.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace tiledecode {
+
+// Non-owning reference to a callable `void(std::size_t)`. The callable must outlive the call.
+class FunctionRef {
+ public:
+  template <class F>
+    requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef>)
+  FunctionRef(F&& f)  // NOLINT: implicit by design
+      : obj_(const_cast<void*>(static_cast<const void*>(std::addressof(f)))),
+        call_([](void* o, std::size_t i) { (*static_cast<std::remove_reference_t<F>*>(o))(i); }) {}
+  void operator()(std::size_t i) const { call_(obj_, i); }
+
+ private:
+  void* obj_;
+  void (*call_)(void*, std::size_t);
+};
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  // Runs body(0) … body(n_tasks-1), each exactly once, and returns when all have finished.
+  // Tasks may run in any order and concurrently. The first exception thrown by a task is
+  // rethrown here after all tasks finished.
+  virtual void run(std::size_t n_tasks, FunctionRef body) = 0;
+  // How many tasks may run at once (used only to size workspaces, never to split work).
+  virtual std::size_t concurrency() const = 0;
+};
+
+class SerialExecutor final : public Executor {
+ public:
+  void run(std::size_t n_tasks, FunctionRef body) override {
+    for (std::size_t i = 0; i < n_tasks; ++i) body(i);
+  }
+  std::size_t concurrency() const override { return 1; }
+};
+
+// A fixed pool of worker threads. The calling thread takes part in the work, so a pool of
+// `n` threads starts `n - 1` workers. One `run` at a time per pool (calls are serialised).
+class ThreadPool final : public Executor {
+ public:
+  explicit ThreadPool(std::size_t n_threads = default_threads()) {
+    n_threads = std::max<std::size_t>(1, n_threads);
+    workers_.reserve(n_threads - 1);
+    for (std::size_t i = 0; i + 1 < n_threads; ++i) workers_.emplace_back([this] { work(); });
+  }
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+  ~ThreadPool() override {
+    {
+      std::lock_guard lk(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+
+  static std::size_t default_threads() {
+    const unsigned n = std::thread::hardware_concurrency();
+    return n == 0 ? 1 : n;
+  }
+  std::size_t concurrency() const override { return workers_.size() + 1; }
+
+  void run(std::size_t n_tasks, FunctionRef body) override {
+    if (n_tasks == 0) return;
+    if (workers_.empty() || n_tasks == 1) {
+      for (std::size_t i = 0; i < n_tasks; ++i) body(i);
+      return;
+    }
+    std::lock_guard run_lock(run_m_);
+    {
+      std::lock_guard lk(m_);
+      body_ = &body;
+      n_tasks_ = n_tasks;
+      next_.store(0, std::memory_order_relaxed);
+      done_ = 0;
+      error_ = nullptr;
+      ++generation_;
+    }
+    cv_.notify_all();
+    {
+      std::lock_guard lk(m_);
+      ++active_;
+    }
+    drain();
+    std::unique_lock lk(m_);
+    // Wait until every task finished *and* every worker left drain(), so that no worker can
+    // touch the counter or the body once this call returns.
+    done_cv_.wait(lk, [&] { return done_ == n_tasks_ && active_ == 0; });
+    body_ = nullptr;
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+ private:
+  // Called with active_ incremented; body_ and n_tasks_ are stable until active_ drops to 0.
+  void drain() {
+    std::size_t finished = 0;
+    for (;;) {
+      const std::size_t i = next_.fetch_add(1, std::memory_order_relaxed);
+      if (i >= n_tasks_) break;
+      try {
+        (*body_)(i);
+      } catch (...) {
+        std::lock_guard lk(m_);
+        if (!error_) error_ = std::current_exception();
+      }
+      ++finished;
+    }
+    std::lock_guard lk(m_);
+    done_ += finished;
+    --active_;
+    if (active_ == 0 && done_ == n_tasks_) done_cv_.notify_all();
+  }
+
+  void work() {
+    std::uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock lk(m_);
+        cv_.wait(lk, [&] { return stop_ || (generation_ != seen && body_ != nullptr); });
+        if (stop_) return;
+        seen = generation_;
+        ++active_;
+      }
+      drain();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex run_m_;
+  std::mutex m_;
+  std::condition_variable cv_, done_cv_;
+  const FunctionRef* body_ = nullptr;  // guarded by m_ for writes; stable while active_ > 0
+  std::size_t n_tasks_ = 0;
+  std::size_t active_ = 0;
+  std::atomic<std::size_t> next_{0};
+  std::size_t done_ = 0;
+  std::uint64_t generation_ = 0;
+  std::exception_ptr error_;
+  bool stop_ = false;
+};
+
+// Calls fn(i) for every i in [begin, end), in tasks of `grain` consecutive indices. The task
+// split depends only on (begin, end, grain).
+template <class F>
+void parallel_for(Executor& ex, std::int64_t begin, std::int64_t end, std::int64_t grain, F&& fn) {
+  if (end <= begin) return;
+  grain = std::max<std::int64_t>(1, grain);
+  const std::int64_t n_tasks = (end - begin + grain - 1) / grain;
+  auto task = [&](std::size_t k) {
+    const std::int64_t lo = begin + static_cast<std::int64_t>(k) * grain;
+    const std::int64_t hi = std::min(end, lo + grain);
+    for (std::int64_t i = lo; i < hi; ++i) fn(i);
+  };
+  ex.run(static_cast<std::size_t>(n_tasks), FunctionRef(task));
+}
+
+}  // namespace tiledecode

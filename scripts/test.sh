@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds Release with tests, runs the whole suite with ctest.
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+install_missing_packages
+configure_and_build "$BUILD_DIR" -DTILEDECODE_BUILD_TESTS=ON -DTILEDECODE_BUILD_BENCH=ON \
+  -DTILEDECODE_BUILD_EXAMPLES=ON
+cd "$BUILD_DIR"
+ctest --output-on-failure -j "$JOBS" "$@"

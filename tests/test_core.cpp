@@ -1,0 +1,235 @@
+// Core types: bf16 rounding, Q8, views, buffers, errors, parallel_for, config presets.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "common/random.hpp"
+#include "tiledecode/tiledecode.hpp"
+
+namespace td = tiledecode;
+
+namespace {
+
+float from_bits(std::uint32_t u) { return std::bit_cast<float>(u); }
+
+TEST(Bf16, RoundsToNearestEvenHandComputed) {
+  // 1.0 exactly representable.
+  EXPECT_EQ(td::bf16(1.0f).bits, 0x3f80);
+  // 1 + 2^-8 is exactly halfway between 0x3f80 and 0x3f81 → ties to even (0x3f80).
+  EXPECT_EQ(td::bf16(from_bits(0x3f808000u)).bits, 0x3f80);
+  // 0x3f818000 is halfway between 0x3f81 and 0x3f82 → ties to even (0x3f82).
+  EXPECT_EQ(td::bf16(from_bits(0x3f818000u)).bits, 0x3f82);
+  // Just above halfway rounds up, just below rounds down.
+  EXPECT_EQ(td::bf16(from_bits(0x3f808001u)).bits, 0x3f81);
+  EXPECT_EQ(td::bf16(from_bits(0x3f807fffu)).bits, 0x3f80);
+  // Negative numbers round symmetrically.
+  EXPECT_EQ(td::bf16(from_bits(0xbf818000u)).bits, 0xbf82);
+  // 3.14159265 = 0x40490fdb → 0x4049 (0x0fdb < 0x8000).
+  EXPECT_EQ(td::bf16(3.14159265f).bits, 0x4049);
+  // Largest finite float rounds up to +Inf; values below the rounding edge stay finite.
+  EXPECT_EQ(td::bf16(std::numeric_limits<float>::max()).bits, 0x7f80);
+  EXPECT_EQ(td::bf16(from_bits(0x7f7f7fffu)).bits, 0x7f7f);
+  // Subnormals round like normals.
+  EXPECT_EQ(td::bf16(from_bits(0x00018000u)).bits, 0x0002);
+}
+
+TEST(Bf16, PreservesSpecials) {
+  EXPECT_EQ(td::bf16(INFINITY).bits, 0x7f80);
+  EXPECT_EQ(td::bf16(-INFINITY).bits, 0xff80);
+  EXPECT_EQ(td::bf16(0.0f).bits, 0x0000);
+  EXPECT_EQ(td::bf16(-0.0f).bits, 0x8000);
+  // A NaN whose payload sits only in the low bits must stay NaN (not become Inf).
+  const float nan_low = from_bits(0x7f800001u);
+  EXPECT_TRUE(std::isnan(td::bf16(nan_low).to_float()));
+  EXPECT_TRUE(std::isnan(td::bf16(std::numeric_limits<float>::quiet_NaN()).to_float()));
+  EXPECT_TRUE(std::signbit(td::bf16(-std::numeric_limits<float>::quiet_NaN()).to_float()));
+}
+
+TEST(Bf16, WideningIsExactAndRoundTrips) {
+  for (std::uint32_t b = 0; b < 0x10000; ++b) {
+    const auto h = td::bf16::from_bits(static_cast<std::uint16_t>(b));
+    const float f = h.to_float();
+    EXPECT_EQ(std::bit_cast<std::uint32_t>(f), b << 16);
+    if (!std::isnan(f)) {
+      ASSERT_EQ(td::bf16(f).bits, b);
+    }
+  }
+}
+
+TEST(Q8, HandComputedCases) {
+  // amax = 2 → sq = 63.5; x*sq: 1 → 63.5 → 64 (half to even), -2 → -127, 0.5 → 31.75 → 32,
+  // 0.0236220472 → 1.5 ± → rint.
+  std::vector<float> x = {1.0f, -2.0f, 0.5f, 0.0f};
+  std::vector<std::int8_t> q(4);
+  const float dq = td::quantize_q8(q, x);
+  EXPECT_EQ(q[0], 64);
+  EXPECT_EQ(q[1], -127);
+  EXPECT_EQ(q[2], 32);
+  EXPECT_EQ(q[3], 0);
+  EXPECT_EQ(dq, 1.0f / (127.0f / 2.0f));
+  // Half to even on exact halves: amax 127 → sq 1: 2.5 → 2, 3.5 → 4, -2.5 → -2.
+  std::vector<float> y = {2.5f, 3.5f, -2.5f, 127.0f};
+  std::vector<std::int8_t> qy(4);
+  EXPECT_EQ(td::quantize_q8(qy, y), 1.0f);
+  EXPECT_EQ(qy[0], 2);
+  EXPECT_EQ(qy[1], 4);
+  EXPECT_EQ(qy[2], -2);
+  EXPECT_EQ(qy[3], 127);
+}
+
+TEST(Q8, AmaxFloorForZeroRow) {
+  std::vector<float> x(8, 0.0f);
+  x[3] = 1e-6f;
+  std::vector<std::int8_t> q(8);
+  const float dq = td::quantize_q8(q, x);
+  EXPECT_EQ(dq, 1.0f / (127.0f / 1e-4f));
+  EXPECT_EQ(q[3], 1);  // 1e-6 * 1.27e6 = 1.27 → 1
+}
+
+TEST(Q8, RandomRowsMatchFormulaAndStayInRange) {
+  tdtest::Rng rng(7);
+  for (int r = 0; r < 100; ++r) {
+    std::vector<float> x(128);
+    rng.fill_normal(x, 3.0f);
+    std::vector<std::int8_t> q(128);
+    const float dq = td::quantize_q8(q, x);
+    float amax = 1e-4f;
+    for (float v : x) amax = std::max(amax, std::fabs(v));
+    const float sq = 127.0f / amax;
+    EXPECT_EQ(dq, 1.0f / sq);
+    for (int i = 0; i < 128; ++i) {
+      EXPECT_EQ(q[i], static_cast<std::int8_t>(std::nearbyint(x[i] * sq)));
+      EXPECT_LE(std::abs(int(q[i])), 127);
+    }
+  }
+}
+
+TEST(View, RowMajorIndexingSliceRow) {
+  std::vector<int> v(2 * 3 * 4);
+  std::iota(v.begin(), v.end(), 0);
+  td::View<int, 3> t(v.data(), {2, 3, 4});
+  EXPECT_EQ(t(1, 2, 3), 23);
+  EXPECT_EQ(t.row(1)(0, 1), 13);
+  auto s = t.slice(1, 1, 3);
+  EXPECT_EQ(s.extent(1), 2);
+  EXPECT_EQ(s(0, 0, 0), 4);
+  EXPECT_FALSE(s.is_contiguous());
+  EXPECT_TRUE(t.is_contiguous());
+  auto r = t.reshape<2>({6, 4});
+  EXPECT_EQ(r(5, 3), 23);
+  EXPECT_THROW((void)s.reshape<1>({8}), td::Error);
+  td::View<const int, 3> c = t;
+  EXPECT_EQ(c(0, 0, 1), 1);
+}
+
+TEST(View, AtChecksBounds) {
+  std::vector<float> v(6);
+  td::View<float, 2> t(v.data(), {2, 3});
+  EXPECT_NO_THROW(t.at(1, 2));
+  EXPECT_THROW(t.at(2, 0), td::Error);
+  EXPECT_THROW(t.at(0, -1), td::Error);
+  try {
+    t.at(0, 3);
+  } catch (const td::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dimension 1"), std::string::npos);
+  }
+}
+
+TEST(Buffer, AlignedZeroedCopyMove) {
+  td::Buffer<float> b(37);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b.data()) % 64, 0u);
+  for (float x : b) EXPECT_EQ(x, 0.0f);
+  b[5] = 2.0f;
+  td::Buffer<float> c = b;
+  EXPECT_EQ(c[5], 2.0f);
+  td::Buffer<float> d = std::move(c);
+  EXPECT_EQ(d[5], 2.0f);
+  EXPECT_EQ(c.data(), nullptr);
+  EXPECT_THROW((void)b.view<2>({6, 6}), td::Error);
+  td::Tensor<td::bf16, 2> t({3, 4});
+  EXPECT_EQ(t.view().extent(1), 4);
+}
+
+TEST(Error, MessageNamesArgumentValueAndRange) {
+  try {
+    td::check_range<std::int64_t>("write_rows", "slot_mapping[3]", 999, -1, 512);
+    FAIL();
+  } catch (const td::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("write_rows"), std::string::npos);
+    EXPECT_NE(m.find("slot_mapping[3]"), std::string::npos);
+    EXPECT_NE(m.find("999"), std::string::npos);
+    EXPECT_NE(m.find("[-1, 512)"), std::string::npos);
+  }
+}
+
+TEST(Parallel, EveryIndexOnceAnyThreadCount) {
+  for (std::size_t threads : {1u, 2u, 3u, 7u}) {
+    td::ThreadPool pool(threads);
+    EXPECT_EQ(pool.concurrency(), threads);
+    for (int rep = 0; rep < 50; ++rep) {
+      std::vector<std::atomic<int>> hits(1000);
+      td::parallel_for(pool, 0, 1000, 7, [&](std::int64_t i) { hits[i].fetch_add(1); });
+      for (auto& h : hits) ASSERT_EQ(h.load(), 1);
+    }
+  }
+}
+
+TEST(Parallel, ExceptionPropagatesAndPoolStaysUsable) {
+  td::ThreadPool pool(3);
+  EXPECT_THROW(td::parallel_for(pool, 0, 100, 1,
+                                [&](std::int64_t i) {
+                                  if (i == 42) throw td::Error("boom");
+                                }),
+               td::Error);
+  std::atomic<int> n{0};
+  td::parallel_for(pool, 0, 100, 1, [&](std::int64_t) { n++; });
+  EXPECT_EQ(n.load(), 100);
+}
+
+TEST(Parallel, ContextRunsInlineWithoutExecutor) {
+  td::cpu::Context ctx{};
+  int sum = 0;
+  ctx.parallel_for(0, 10, 3, [&](std::int64_t i) { sum += int(i); });
+  EXPECT_EQ(sum, 45);
+}
+
+TEST(Config, FlashAndProPresets) {
+  const auto f = td::flash_config();
+  EXPECT_EQ(f.hidden, 4096);
+  EXPECT_EQ(f.nope_dim(), 448);
+  EXPECT_EQ(f.o_group_in(), 4096);
+  EXPECT_EQ(f.score_len(), 4096);
+  EXPECT_EQ(f.attn_cols(td::LayerKind::csa), 640);
+  EXPECT_EQ(f.attn_cols(td::LayerKind::hca), 256);
+  EXPECT_NEAR(f.softmax_scale(), 0.044194173824159, 1e-9);
+  EXPECT_NEAR(f.index_weights_scale(), 0.011048543456040, 1e-9);
+  EXPECT_EQ(f.layer_kind(0), td::LayerKind::swa);
+  EXPECT_EQ(f.layer_kind(2), td::LayerKind::csa);
+  EXPECT_EQ(f.layer_kind(3), td::LayerKind::hca);
+  const auto p = td::pro_config();
+  EXPECT_EQ(p.hidden, 7168);
+  EXPECT_EQ(p.n_heads, 128);
+  EXPECT_EQ(p.o_groups, 16);
+  EXPECT_EQ(p.attn_cols(td::LayerKind::csa), 1152);
+  EXPECT_EQ(p.layer_kind(0), td::LayerKind::hca);
+  EXPECT_EQ(p.layer_kind(2), td::LayerKind::csa);
+  EXPECT_THROW((void)td::config_by_name("mini"), td::Error);
+}
+
+TEST(Isa, DetectAndCheck) {
+  EXPECT_EQ(td::cpu::checked_isa(td::cpu::Isa::scalar), td::cpu::Isa::scalar);
+  if (td::cpu::cpu_has_avx2()) {
+    EXPECT_EQ(td::cpu::detect_isa(), td::cpu::Isa::avx2);
+  } else {
+    EXPECT_THROW((void)td::cpu::checked_isa(td::cpu::Isa::avx2), td::Error);
+  }
+}
+
+}  // namespace
