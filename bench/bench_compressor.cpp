@@ -1,0 +1,213 @@
+// Compressor steps (spec §6): CSA main (ratio 4, OUT_DIM 1024), HCA (ratio 128, OUT_DIM 512)
+// and the indexer's inner compressor (ratio 4, OUT_DIM 256), at B=4, S=2 (T=8) and T up to 128,
+// on 1 and 2 threads, AVX2 path where the CPU has it.
+//
+// The projections stream 2 × OUT_DIM × D BF16 weights per step. To measure them from memory
+// (as in a real decode step, where 43 layers of weights do not fit in cache) every iteration
+// uses the next of several weight copies spanning 256 MiB, the size of the read-bandwidth
+// probe's buffer.
+//
+// Counters (per benchmark):
+//   bytes_per_second  weights + x_n + state rows written
+//   weight_Bps        projection weight bytes per second
+//   FLOP/s            2 × 2·OUT_DIM × D × T per step
+//   pct_of_ceiling    weight_Bps ÷ single-core streaming read bandwidth (tdbench::read_gbps(1),
+//                     measured in this process) × 100
+//   pct_of_fma        FLOP/s ÷ (threads × single-core FP32 FMA ceiling) × 100
+// `_boundary` variants put a window boundary on every request's second token (pooling, norm,
+// rope and the cache store on top of the projections).
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "ceilings.hpp"
+#include "common/random.hpp"
+#include "tiledecode/backend/cpu/context.hpp"
+#include "tiledecode/core/hadamard.hpp"
+#include "tiledecode/kernels/compressor.hpp"
+#include "tiledecode/paged/metadata.hpp"
+#include "tiledecode/rope/rope.hpp"
+
+namespace td = tiledecode;
+namespace tk = tiledecode::kernels;
+using td::bf16;
+using td::index_t;
+
+namespace {
+
+enum class Kind { csa, hca, inner };
+
+const td::ModelConfig& cfg() {
+  static const td::ModelConfig c = td::flash_config();
+  return c;
+}
+
+tk::CompressorSpec spec_of(Kind k) {
+  return k == Kind::csa   ? tk::csa_compressor_spec(cfg())
+         : k == Kind::hca ? tk::hca_compressor_spec(cfg())
+                          : tk::indexer_compressor_spec(cfg());
+}
+
+// 256 MiB of BF16 weights shared by all benchmarks, filled with small finite values.
+constexpr std::size_t kWeightPoolBytes = std::size_t(256) << 20;
+td::Buffer<bf16>& weight_pool() {
+  static td::Buffer<bf16> pool = [] {
+    td::Buffer<bf16> p(kWeightPoolBytes / sizeof(bf16));
+    std::uint32_t s = 12345;
+    for (auto& v : p) {
+      s = s * 1664525u + 1013904223u;
+      // sign | exponent 2^-7..2^-6 | random mantissa: |w| ~ 0.01, like the checkpoint weights.
+      v = bf16::from_bits(static_cast<std::uint16_t>(((s >> 16) & 0x8000u) | 0x3c00u |
+                                                     ((s >> 8) & 0xffu)));
+    }
+    return p;
+  }();
+  return pool;
+}
+
+const td::RopeTable& rope_table() {
+  static const td::RopeTable t = td::make_rope_table(cfg(), td::LayerKind::csa, cfg().max_seq_len);
+  return t;
+}
+
+td::ThreadPool& pool2() {
+  static td::ThreadPool p(2);
+  return p;
+}
+
+struct Setup {
+  Kind kind;
+  tk::CompressorSpec spec;
+  td::paged::StepShape shape;
+  index_t copies = 1, copy_elems = 0;
+  td::Tensor<float, 2> ape;
+  td::Tensor<bf16, 1> norm_w;
+  td::Tensor<bf16, 2> x_n, cmp, hadamard;
+  td::Tensor<std::int8_t, 2> idx;
+  td::Tensor<float, 1> idx_scale, ws;
+  td::Tensor<float, 2> state, kv_out;
+  td::Tensor<std::int32_t, 1> positions;
+  td::Tensor<std::int32_t, 2> state_table, cmp_table;
+  td::Tensor<std::int64_t, 1> state_slots, cmp_slots;
+
+  Setup(Kind k, int tokens, bool boundary) : kind(k), spec(spec_of(k)) {
+    const auto& c = cfg();
+    shape = {tokens / 2, 2, -1};
+    const index_t T = tokens, B = shape.batch, D = c.hidden, OUT = spec.out_dim();
+    copy_elems = 2 * OUT * D;
+    copies = index_t(weight_pool().size()) / copy_elems;
+    tdtest::Rng rng(7);
+    ape = td::Tensor<float, 2>({spec.ratio, OUT});
+    rng.fill_normal(ape.flat(), 0.12f);
+    norm_w = td::Tensor<bf16, 1>({spec.head_dim});
+    rng.fill_uniform(norm_w.flat(), 0.8f, 1.2f);
+    x_n = td::Tensor<bf16, 2>({T, D});
+    rng.fill_normal(x_n.flat());
+    // Starts around 8k, one per request; with `boundary` the second token closes a window.
+    std::vector<std::int32_t> starts;
+    for (index_t b = 0; b < B; ++b) {
+      const std::int32_t base = 8192 + std::int32_t(b) * spec.ratio * 3;
+      starts.push_back(boundary ? base + spec.ratio - 2 : base);
+    }
+    positions = td::Tensor<std::int32_t, 1>({T});
+    td::paged::build_position_ids(positions.view(), starts, shape, c);
+    const index_t page = tk::compressor_state_page(c, spec);
+    const index_t blocks = spec.ratio == 4 ? 65 : 64;
+    state_table = td::Tensor<std::int32_t, 2>({B, c.max_seq_len / page});
+    td::paged::build_fixture_block_table(state_table.view(), blocks);
+    state_slots = td::Tensor<std::int64_t, 1>({T});
+    td::paged::build_state_slot_mapping(state_slots.view(), positions.view(), state_table.view(),
+                                        blocks, int(page), shape, c);
+    const index_t cmp_blocks = k == Kind::inner ? 64 : 32;
+    cmp_table = td::Tensor<std::int32_t, 2>({B, cmp_blocks});
+    td::paged::build_fixture_block_table(cmp_table.view(), cmp_blocks);
+    cmp_slots = td::Tensor<std::int64_t, 1>({T});
+    td::paged::build_compressed_slot_mapping(cmp_slots.view(), positions.view(), cmp_table.view(),
+                                             cmp_blocks, spec.ratio, shape, c);
+    state = td::Tensor<float, 2>({blocks * page, spec.state_width()});
+    rng.fill_normal(state.flat(), 0.05f);
+    kv_out = td::Tensor<float, 2>({B, spec.head_dim});
+    cmp = td::Tensor<bf16, 2>({cmp_blocks * c.page, spec.head_dim});
+    idx = td::Tensor<std::int8_t, 2>({cmp_blocks * c.page, 128});
+    idx_scale = td::Tensor<float, 1>({cmp_blocks * c.page});
+    hadamard = td::make_hadamard_bf16(128);
+    ws = td::Tensor<float, 1>({tk::compressor_workspace_size(c, spec, T)});
+  }
+
+  void step(const td::cpu::Context& ctx, index_t copy) {
+    const index_t OUT = spec.out_dim(), D = cfg().hidden;
+    const bf16* w = weight_pool().data() + copy * copy_elems;
+    const tk::CompressorWeights wt{td::ConstView<bf16, 2>(w, {OUT, D}),
+                                   td::ConstView<bf16, 2>(w + OUT * D, {OUT, D}), ape.view(),
+                                   norm_w.view()};
+    const tk::CompressorMetadata meta{shape, positions.view(), state_slots.view(),
+                                      cmp_slots.view(), state_table.view()};
+    if (kind == Kind::inner) {
+      tk::indexer_compressor_step(ctx, cfg(), state.view(), idx.view(), idx_scale.view(),
+                                  kv_out.view(), x_n.view(), wt, hadamard.view(), meta,
+                                  rope_table().view(), ws.view());
+    } else {
+      tk::compressor_step(ctx, cfg(), spec, state.view(), cmp.view(), kv_out.view(), x_n.view(),
+                          wt, meta, rope_table().view(), ws.view());
+    }
+  }
+};
+
+void run(benchmark::State& st, Kind kind, bool boundary) {
+  const int T = int(st.range(0)), threads = int(st.range(1));
+  const double read_bw = tdbench::read_gbps(1) * 1e9;  // measured once per process
+  const double fma = tdbench::fp32_fma_gflops() * 1e9;
+  Setup s(kind, T, boundary);
+  const td::cpu::Context ctx{threads > 1 ? &pool2() : nullptr, td::cpu::detect_isa()};
+  index_t copy = 0;
+  for (auto _ : st) {
+    s.step(ctx, copy);
+    copy = (copy + 1) % s.copies;
+    benchmark::ClobberMemory();
+  }
+  const double D = cfg().hidden, OUT = s.spec.out_dim();
+  const double wbytes = 2 * OUT * D * sizeof(bf16);
+  const double bytes = wbytes + T * D * sizeof(bf16) + T * s.spec.state_width() * sizeof(float);
+  const double flops = 2.0 * 2 * OUT * D * T;
+  const double it = double(st.iterations());
+  using C = benchmark::Counter;
+  st.SetBytesProcessed(std::int64_t(bytes * it));
+  st.counters["weight_Bps"] = C(wbytes * it, C::kIsRate);
+  st.counters["FLOP/s"] = C(flops * it, C::kIsRate);
+  st.counters["pct_of_ceiling"] = C(wbytes * it / read_bw * 100, C::kIsRate);
+  if (fma > 0) st.counters["pct_of_fma"] = C(flops * it / (fma * threads) * 100, C::kIsRate);
+  st.counters["read_GBps_1t"] = read_bw * 1e-9;
+  st.counters["fma_GFLOPs_1t"] = fma * 1e-9;
+  st.SetLabel(std::string(td::cpu::to_string(ctx.isa)));
+}
+
+void args(benchmark::internal::Benchmark* b) {
+  for (int threads : {1, 2})
+    for (int T : {8, 16, 32, 64, 128}) b->Args({T, threads});
+  b->ArgNames({"T", "threads"})->UseRealTime()->Unit(benchmark::kMicrosecond);
+}
+void boundary_args(benchmark::internal::Benchmark* b) {
+  b->Args({8, 1})->Args({8, 2})->ArgNames({"T", "threads"})->UseRealTime()->Unit(
+      benchmark::kMicrosecond);
+}
+
+void BM_csa_compressor(benchmark::State& st) { run(st, Kind::csa, false); }
+void BM_hca_compressor(benchmark::State& st) { run(st, Kind::hca, false); }
+void BM_indexer_compressor(benchmark::State& st) { run(st, Kind::inner, false); }
+void BM_csa_compressor_boundary(benchmark::State& st) { run(st, Kind::csa, true); }
+void BM_hca_compressor_boundary(benchmark::State& st) { run(st, Kind::hca, true); }
+void BM_indexer_compressor_boundary(benchmark::State& st) { run(st, Kind::inner, true); }
+
+BENCHMARK(BM_csa_compressor)->Apply(args);
+BENCHMARK(BM_hca_compressor)->Apply(args);
+BENCHMARK(BM_indexer_compressor)->Apply(args);
+BENCHMARK(BM_csa_compressor_boundary)->Apply(boundary_args);
+BENCHMARK(BM_hca_compressor_boundary)->Apply(boundary_args);
+BENCHMARK(BM_indexer_compressor_boundary)->Apply(boundary_args);
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,496 @@
+// peer_compare: TileDecode against an ATen/OpenBLAS peer and the golden references, on the same
+// inputs, in one process, next to this machine's ceilings measured in the same run.
+//
+//   peer_compare [--quick] [--json FILE] [--threads 1,2] [--filter SUBSTR] [--min-time SEC]
+//                [--golden-max-batch N]
+//
+// Points: B=4, S=2 at context 1k, 4k, 8k, 16k, and batch 1..64 at 8k (--quick: B=4 at 8k).
+// Kernels: indexer score + top-k, sparse attention SWA/HCA/CSA, output projection, the three
+// compressors (context-independent ones are measured at 8k only).
+// Each time is the median of repeated runs (at least --min-time seconds and 3 runs); ratios are
+// peer time / TileDecode time (> 1: TileDecode is faster). % of ceiling = the roofline time
+// (max of compute time at the FP32-FMA + INT8 ceilings and weight/KV bytes at the measured read
+// bandwidth, both × threads) over the measured time.
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <thread>
+#include <string>
+#include <vector>
+
+#include "ceilings.hpp"
+#include "peer/aten_peer.hpp"
+#include "peer/fixtures.hpp"
+#include "peer/tiledecode_side.hpp"
+#include "tiledecode/backend/cpu/context.hpp"
+#include "tiledecode/backend/cpu/isa.hpp"
+#include "tiledecode/core/parallel.hpp"
+
+namespace {
+
+using namespace tdpeer;
+namespace td = tiledecode;
+
+struct Options {
+  bool quick = false;
+  std::string json;
+  std::vector<int> threads{1, 2};
+  std::string filter;
+  double min_time = 0.25;
+  int golden_max_batch = 4;
+};
+
+struct Ceilings {
+  double fma_gflops = 0, int8_gops = 0, bw1 = 0, bw2 = 0;
+  double bw(int threads) const { return threads >= 2 ? bw2 : bw1; }
+};
+
+// Work of one kernel step: FP32 FLOP, INT8 OP (2 per multiply-add), bytes that must stream.
+struct Cost {
+  double fp32 = 0, int8 = 0, bytes = 0;
+};
+
+double roofline_s(const Cost& c, const Ceilings& ce, int threads) {
+  double compute = 0;
+  if (ce.fma_gflops > 0) compute += c.fp32 / (ce.fma_gflops * 1e9 * threads);
+  if (ce.int8_gops > 0) compute += c.int8 / (ce.int8_gops * 1e9 * threads);
+  const double mem = ce.bw(threads) > 0 ? c.bytes / (ce.bw(threads) * 1e9) : 0;
+  return std::max(compute, mem);
+}
+const char* bound_of(const Cost& c, const Ceilings& ce, int threads) {
+  double compute = 0;
+  if (ce.fma_gflops > 0) compute += c.fp32 / (ce.fma_gflops * 1e9 * threads);
+  if (ce.int8_gops > 0) compute += c.int8 / (ce.int8_gops * 1e9 * threads);
+  const double mem = ce.bw(threads) > 0 ? c.bytes / (ce.bw(threads) * 1e9) : 0;
+  if (mem > compute) return "bandwidth";
+  return c.int8 > c.fp32 ? "int8" : "fp32";
+}
+
+// ---- cost models (spec shapes) --------------------------------------------------------------
+
+int vis_of(const ModelConfig& cfg, const Case& cs, index_t t) {
+  return std::min({cs.kv_seq_lens.data()[t / cs.seq] / 4, (cs.positions.data()[t] + 1) / 4,
+                   cfg.score_len()});
+}
+
+Cost indexer_cost(const Weights& w, const Case& cs) {
+  const auto& cfg = w.cfg;
+  Cost c;
+  for (index_t t = 0; t < cs.tokens(); ++t) {
+    const double vis = vis_of(cfg, cs, t);
+    c.int8 += 2.0 * cfg.idx_n_heads * cfg.idx_head_dim * vis;
+    // Key rows (+ scale) once per token, the score row written.
+    c.bytes += vis * (cfg.idx_head_dim + 4) + 4.0 * cfg.score_len();
+  }
+  return c;
+}
+
+Cost attention_cost(const Weights& w, const Case& cs, int ratio) {
+  const auto& cfg = w.cfg;
+  Cost c;
+  for (index_t t = 0; t < cs.tokens(); ++t) {
+    const index_t b = t / cs.seq;
+    const int pos = cs.positions.data()[t];
+    double valid = 0;
+    for (int k = 0; k < cfg.window; ++k) valid += cs.win_idx.data()[t * cfg.window + k] >= 0;
+    if (ratio == 4) {
+      for (int i = 0; i < cfg.idx_topk; ++i) {
+        const int raw = cs.topk.data()[t * cfg.idx_topk + i];
+        valid += raw >= 0 && raw < (pos + 1) / 4;
+      }
+    } else if (ratio == 128) {
+      valid += std::min({cfg.hca_capacity(), (pos + 1) / 128, cs.kv_seq_lens.data()[b] / 128});
+    }
+    c.fp32 += 4.0 * cfg.n_heads * cfg.head_dim * valid;  // Q·Kᵀ and P·V
+    c.bytes += valid * cfg.head_dim * 2 + 2.0 * 2 * cfg.n_heads * cfg.head_dim;
+  }
+  return c;
+}
+
+Cost oproj_cost(const Weights& w, const Case& cs) {
+  const auto& cfg = w.cfg;
+  const double T = cs.tokens(), G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in(), D = cfg.hidden;
+  return {2 * T * G * R * K, 2 * T * D * G * R, G * R * K * 2 + D * G * R + T * (G * K * 2 + D * 2)};
+}
+
+Cost compressor_cost(const Weights& w, const Case& cs, int which) {
+  const auto& cfg = w.cfg;
+  const CompressorWeights& cw = which == 4 ? w.c4 : (which == 128 ? w.c128 : w.inner);
+  const double T = cs.tokens(), OUT = cw.out_dim, D = cfg.hidden;
+  return {4 * T * OUT * D, 0, 2 * OUT * D * 2 + T * D * 2};
+}
+
+// ---- kernels --------------------------------------------------------------------------------
+
+using TdMake = std::function<TdRunner(const Weights&, Case&, const td::cpu::Context*, int)>;
+using Make = std::function<Runner(const Weights&, Case&)>;
+using CostFn = std::function<Cost(const Weights&, const Case&)>;
+
+struct KernelDef {
+  std::string name;
+  bool context_sweep = true;  // false: context-independent, measured at the 8k points only
+  TdMake td;
+  std::vector<std::pair<std::string, Make>> peers;  // variants; the best one is "the peer"
+  Make golden;
+  CostFn cost;
+};
+
+std::vector<KernelDef> kernel_defs() {
+  std::vector<KernelDef> k;
+  k.push_back({"indexer", true,
+               [](const Weights& w, Case& c, const td::cpu::Context* x, int n) { return make_td_indexer(w, c, x, n); },
+               {{"aten", [](const Weights& w, Case& c) { return make_peer_indexer(w, c); }}},
+               [](const Weights& w, Case& c) { return make_golden_indexer(w, c); },
+               indexer_cost});
+  for (int ratio : {4, 128, 0}) {
+    const std::string name = ratio == 4 ? "attn_csa" : (ratio == 128 ? "attn_hca" : "attn_swa");
+    k.push_back({name, true,
+                 [ratio](const Weights& w, Case& c, const td::cpu::Context* x, int n) {
+                   return make_td_attention(w, c, ratio, x, n);
+                 },
+                 {{"aten", [ratio](const Weights& w, Case& c) { return make_peer_attention(w, c, ratio); }}},
+                 [ratio](const Weights& w, Case& c) { return make_golden_attention(w, c, ratio); },
+                 [ratio](const Weights& w, const Case& c) { return attention_cost(w, c, ratio); }});
+  }
+  k.push_back({"oproj", false,
+               [](const Weights& w, Case& c, const td::cpu::Context* x, int) { return make_td_oproj(w, c, x); },
+               {{"aten_fp32_weights", [](const Weights& w, Case& c) { return make_peer_oproj(w, c, WeightMode::fp32_copy); }},
+                {"aten_dequant_per_step", [](const Weights& w, Case& c) { return make_peer_oproj(w, c, WeightMode::dequant); }}},
+               [](const Weights& w, Case& c) { return make_golden_oproj(w, c); },
+               oproj_cost});
+  for (int which : {4, 128, 0}) {
+    const std::string name = which == 4 ? "compressor_csa" : (which == 128 ? "compressor_hca" : "compressor_inner");
+    k.push_back({name, false,
+                 [which](const Weights& w, Case& c, const td::cpu::Context* x, int) {
+                   return make_td_compressor(w, c, which, x);
+                 },
+                 {{"aten_fp32_weights", [which](const Weights& w, Case& c) { return make_peer_compressor(w, c, which, WeightMode::fp32_copy); }},
+                  {"aten_dequant_per_step", [which](const Weights& w, Case& c) { return make_peer_compressor(w, c, which, WeightMode::dequant); }}},
+                 [which](const Weights& w, Case& c) { return make_golden_compressor(w, c, which); },
+                 [which](const Weights& w, const Case& c) { return compressor_cost(w, c, which); }});
+  }
+  return k;
+}
+
+// ---- measurement ----------------------------------------------------------------------------
+
+struct Timed {
+  std::string name;
+  const Runner* runner;
+  std::function<void()> prepare;  // thread configuration, outside the timed region
+};
+
+// Median microseconds of each item, sampled round-robin: one warm-up run each, then rounds of
+// one timed run per item until `min_reps` rounds and `min_time` seconds per item have passed.
+std::vector<double> measure_interleaved(const std::vector<Timed>& items, double min_time,
+                                        int min_reps, int max_reps) {
+  using clk = std::chrono::steady_clock;
+  for (const Timed& it : items) {
+    it.prepare();
+    it.runner->run();
+  }
+  std::vector<std::vector<double>> t(items.size());
+  const auto start = clk::now();
+  for (int round = 0; round < max_reps; ++round) {
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      items[i].prepare();
+      const auto t0 = clk::now();
+      items[i].runner->run();
+      t[i].push_back(std::chrono::duration<double, std::micro>(clk::now() - t0).count());
+    }
+    const double total = std::chrono::duration<double>(clk::now() - start).count();
+    if (round + 1 >= min_reps && total >= min_time * double(items.size())) break;
+  }
+  std::vector<double> med;
+  for (auto& v : t) {
+    std::sort(v.begin(), v.end());
+    med.push_back(v[v.size() / 2]);
+  }
+  return med;
+}
+
+// Relative L2 difference over entries that both sides define (masked scores excluded).
+double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size() || a.empty()) return NAN;
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i] < -1e30f || b[i] < -1e30f) continue;
+    num += double(a[i] - b[i]) * double(a[i] - b[i]);
+    den += double(b[i]) * double(b[i]);
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+struct Row {
+  std::string kernel, td_impl, peer_variant;
+  int threads = 1, context = 0, batch = 0;
+  double td_us = NAN, peer_us = NAN, golden_us = NAN;
+  std::vector<std::pair<std::string, double>> peer_variants;
+  double pct = NAN, peer_pct = NAN, rel_err = NAN, rel_err_td_golden = NAN, rel_err_peer_golden = NAN;
+  std::string bound;
+  Cost cost;
+};
+
+std::string json_num(double v) {
+  if (!std::isfinite(v)) return "null";
+  std::ostringstream o;
+  o.precision(6);
+  o << v;
+  return o.str();
+}
+std::string json_str(const std::string& s) {
+  std::string o = "\"";
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') o += '\\';
+    if (ch == '\n') {
+      o += "\\n";
+      continue;
+    }
+    o += ch;
+  }
+  return o + "\"";
+}
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown";
+}
+
+std::string loadavg() {
+  std::ifstream f("/proc/loadavg");
+  std::string a, b, c;
+  f >> a >> b >> c;
+  return a + " " + b + " " + c;
+}
+
+std::vector<int> parse_list(const char* s) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) v.push_back(std::atoi(item.c_str()));
+  return v;
+}
+
+void usage() {
+  std::puts(
+      "usage: peer_compare [--quick] [--json FILE] [--threads 1,2] [--filter SUBSTR]\n"
+      "                    [--min-time SEC] [--golden-max-batch N]");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) {
+        usage();
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--quick") opt.quick = true;
+    else if (a == "--json") opt.json = next();
+    else if (a == "--threads") opt.threads = parse_list(next());
+    else if (a == "--filter") opt.filter = next();
+    else if (a == "--min-time") opt.min_time = std::atof(next());
+    else if (a == "--golden-max-batch") opt.golden_max_batch = std::atoi(next());
+    else if (a == "-h" || a == "--help") {
+      usage();
+      return 0;
+    } else {
+      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
+      usage();
+      return 2;
+    }
+  }
+  if (opt.quick && opt.min_time == 0.25) opt.min_time = 0.08;
+  const int max_threads = *std::max_element(opt.threads.begin(), opt.threads.end());
+
+  const ModelConfig cfg = td::flash_config();
+  const td::cpu::Isa isa = td::cpu::detect_isa();
+  std::printf("peer_compare: DeepSeek-V4-flash decode kernels, TileDecode vs ATen %s\n", peer_version().c_str());
+  std::printf("cpu: %s, %u hardware threads, TileDecode ISA %s\n", cpu_model().c_str(),
+              std::thread::hardware_concurrency(), isa == td::cpu::Isa::avx2 ? "avx2" : "scalar");
+  std::printf("blas: %s\n", peer_blas_info().c_str());
+  const std::string load_start = loadavg();
+  std::printf("load average at start: %s\n", load_start.c_str());
+  std::fflush(stdout);
+
+  Ceilings ce;
+  ce.fma_gflops = tdbench::fp32_fma_gflops();
+  ce.int8_gops = tdbench::int8_gops();
+  ce.bw1 = tdbench::read_gbps(1);
+  ce.bw2 = max_threads >= 2 ? tdbench::read_gbps(2) : ce.bw1;
+  std::printf("ceilings (per core): FP32 FMA %.1f GFLOP/s, INT8 MAC %.1f GOP/s; read bandwidth 1 core %.1f GB/s, 2 cores %.1f GB/s\n\n",
+              ce.fma_gflops, ce.int8_gops, ce.bw1, ce.bw2);
+
+  std::printf("building weights...\n");
+  std::fflush(stdout);
+  const Weights w = make_weights(cfg);
+
+  struct Point { int batch, context; };
+  std::vector<Point> points;
+  if (opt.quick) {
+    points = {{4, 8192}};
+  } else {
+    for (int c : {1024, 4096, 8192, 16384}) points.push_back({4, c});
+    for (int b : {1, 2, 8, 16, 32, 64}) points.push_back({b, 8192});
+  }
+
+  td::ThreadPool pool1(1), pool2(std::max(2, max_threads));
+  td::cpu::Context ctx{&pool1, isa};
+  const auto defs = kernel_defs();
+  std::vector<Row> rows;
+
+  std::printf("%-17s %6s %3s %3s %11s %11s %11s %8s %8s %7s %-9s %8s %8s  %s\n", "kernel", "ctx", "B", "thr",
+              "tiledecode", "peer", "golden", "x_peer", "x_golden", "%ceil", "bound", "err_peer", "err_gold", "peer variant / impl");
+  for (const Point& p : points) {
+    Case cs = make_case(cfg, p.batch, p.context);
+    for (const KernelDef& k : defs) {
+      if (!opt.filter.empty() && k.name.find(opt.filter) == std::string::npos) continue;
+      if (!k.context_sweep && p.context != 8192) continue;
+      TdRunner tdr = k.td(w, cs, &ctx, max_threads);
+      std::vector<std::pair<std::string, Runner>> peers;
+      for (const auto& [name, make] : k.peers) peers.emplace_back(name, make(w, cs));
+      Runner gold = p.batch <= opt.golden_max_batch ? k.golden(w, cs) : Runner{};
+      const Cost cost = k.cost(w, cs);
+      // Agreement on the same inputs (single thread): TileDecode vs the first peer variant.
+      ctx.exec = &pool1;
+      peer_set_threads(1, 1);
+      tdr.run();
+      const std::vector<float> td_out = tdr.output();
+      peers.front().second.run();
+      const std::vector<float> peer_out = peers.front().second.output();
+      const double err = rel_err(td_out, peer_out);
+      double err_td_golden = NAN, err_peer_golden = NAN;
+      if (gold) {
+        gold.run();
+        const std::vector<float> g_out = gold.output();
+        err_td_golden = rel_err(td_out, g_out);
+        err_peer_golden = rel_err(peer_out, g_out);
+      }
+
+      for (int thr : opt.threads) {
+        Row r;
+        r.kernel = k.name;
+        r.td_impl = tdr.impl;
+        r.threads = thr;
+        r.context = p.context;
+        r.batch = p.batch;
+        r.cost = cost;
+        r.rel_err = err;
+        r.rel_err_td_golden = err_td_golden;
+        r.rel_err_peer_golden = err_peer_golden;
+        // TileDecode and every peer variant are sampled round-robin, so a burst of load from
+        // other processes on this shared machine hits all of them alike. At 2 threads the peer
+        // runs with ATen's pool at 2 threads and OpenBLAS at 2 or 1 (OpenBLAS's pthreads
+        // oversubscribe the cores when ATen calls gemm from inside its own parallel region);
+        // the faster configuration counts.
+        std::vector<Timed> items;
+        items.push_back({"tiledecode", &tdr, [&ctx, &pool1, &pool2, thr] {
+                           ctx.exec = thr == 1 ? static_cast<td::Executor*>(&pool1) : &pool2;
+                         }});
+        std::vector<int> blas_threads{thr};
+        if (thr > 1) blas_threads.push_back(1);
+        for (auto& [name, pr] : peers)
+          for (int bt : blas_threads) {
+            const std::string label = thr > 1 ? name + "[aten" + std::to_string(thr) + ",blas" + std::to_string(bt) + "]" : name;
+            items.push_back({label, &pr, [thr, bt] { peer_set_threads(thr, bt); }});
+          }
+        const std::vector<double> us = measure_interleaved(items, opt.min_time, 3, 400);
+        r.td_us = us[0];
+        for (std::size_t i = 1; i < items.size(); ++i) {
+          r.peer_variants.emplace_back(items[i].name, us[i]);
+          if (!(us[i] >= r.peer_us)) {
+            r.peer_us = us[i];
+            r.peer_variant = items[i].name;
+          }
+        }
+        ctx.exec = &pool1;
+        peer_set_threads(1, 1);
+        if (gold && thr == 1) r.golden_us = measure_interleaved({{"golden", &gold, [] {}}}, 0.0, 1, 1)[0];
+        const double roof_us = roofline_s(cost, ce, thr) * 1e6;
+        r.pct = 100.0 * roof_us / r.td_us;
+        r.peer_pct = 100.0 * roof_us / r.peer_us;
+        r.bound = bound_of(cost, ce, thr);
+        std::printf("%-17s %6d %3d %3d %9.1fus %9.1fus %9.1fus %7.2fx %7.2fx %6.1f%% %-9s %8.1e %8.1e  %s / %s\n",
+                    r.kernel.c_str(), r.context, r.batch, r.threads, r.td_us, r.peer_us, r.golden_us,
+                    r.peer_us / r.td_us, r.golden_us / r.td_us, r.pct, r.bound.c_str(), r.rel_err, r.rel_err_td_golden,
+                    r.peer_variant.c_str(), r.td_impl.c_str());
+        std::fflush(stdout);
+        rows.push_back(r);
+      }
+    }
+  }
+
+  // Bars at B=4, S=2, 8k (spec of the comparison): single-thread ratio to the peer, and the
+  // 1 → 2 thread scaling of TileDecode.
+  std::printf("\nbars at B=4, S=2, context 8k:\n");
+  std::printf("%-17s %10s %6s %8s %10s %6s %s\n", "kernel", "x_peer(1t)", "bar", "", "2t/1t", "bar", "");
+  for (const KernelDef& k : defs) {
+    const Row* r1 = nullptr;
+    const Row* r2 = nullptr;
+    for (const Row& r : rows) {
+      if (r.kernel != k.name || r.batch != 4 || r.context != 8192) continue;
+      if (r.threads == 1) r1 = &r;
+      if (r.threads == 2) r2 = &r;
+    }
+    if (!r1) continue;
+    double bar = 2.0;
+    if (k.name == "indexer") bar = 3.0;
+    if (k.name.rfind("attn_", 0) == 0) bar = 1.25;
+    const double x = r1->peer_us / r1->td_us;
+    const bool scale_bar = k.name == "indexer" || k.name.rfind("attn_", 0) == 0;
+    const double sc = r2 ? r1->td_us / r2->td_us : NAN;
+    std::printf("%-17s %9.2fx %5.2fx %8s %9.2fx %6s %s\n", k.name.c_str(), x, bar, x >= bar ? "ok" : "MISS", sc,
+                scale_bar ? "1.80x" : "-", scale_bar ? (sc >= 1.8 ? "ok" : "MISS") : "");
+  }
+
+  if (!opt.json.empty()) {
+    std::ofstream f(opt.json);
+    f << "{\n  \"machine\": {\"cpu\": " << json_str(cpu_model())
+      << ", \"hardware_threads\": " << std::thread::hardware_concurrency()
+      << ", \"tiledecode_isa\": " << json_str(isa == td::cpu::Isa::avx2 ? "avx2" : "scalar")
+      << ", \"loadavg_start\": " << json_str(load_start) << ", \"loadavg_end\": " << json_str(loadavg()) << "},\n";
+    f << "  \"peer\": {\"aten\": " << json_str(peer_version()) << ", \"blas\": " << json_str(peer_blas_info())
+      << "},\n";
+    f << "  \"ceilings\": {\"fp32_fma_gflops\": " << json_num(ce.fma_gflops)
+      << ", \"int8_gops\": " << json_num(ce.int8_gops) << ", \"read_gbps_1\": " << json_num(ce.bw1)
+      << ", \"read_gbps_2\": " << json_num(ce.bw2) << "},\n";
+    f << "  \"quick\": " << (opt.quick ? "true" : "false") << ",\n  \"rows\": [\n";
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      f << "    {\"kernel\": " << json_str(r.kernel) << ", \"threads\": " << r.threads
+        << ", \"context\": " << r.context << ", \"batch\": " << r.batch
+        << ", \"tiledecode_us\": " << json_num(r.td_us) << ", \"peer_us\": " << json_num(r.peer_us)
+        << ", \"ratio_vs_peer\": " << json_num(r.peer_us / r.td_us)
+        << ", \"pct_of_ceiling\": " << json_num(r.pct) << ", \"peer_pct_of_ceiling\": " << json_num(r.peer_pct)
+        << ", \"bound\": " << json_str(r.bound) << ", \"golden_us\": " << json_num(r.golden_us)
+        << ", \"ratio_vs_golden\": " << json_num(r.golden_us / r.td_us)
+        << ", \"rel_err_vs_peer\": " << json_num(r.rel_err)
+        << ", \"rel_err_tiledecode_vs_golden\": " << json_num(r.rel_err_td_golden)
+        << ", \"rel_err_peer_vs_golden\": " << json_num(r.rel_err_peer_golden) << ", \"tiledecode_impl\": " << json_str(r.td_impl)
+        << ", \"peer_variant\": " << json_str(r.peer_variant) << ", \"peer_variants_us\": {";
+      for (std::size_t j = 0; j < r.peer_variants.size(); ++j)
+        f << (j ? ", " : "") << json_str(r.peer_variants[j].first) << ": " << json_num(r.peer_variants[j].second);
+      f << "}, \"fp32_flop\": " << json_num(r.cost.fp32) << ", \"int8_op\": " << json_num(r.cost.int8)
+        << ", \"bytes\": " << json_num(r.cost.bytes) << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
+    }
+    f << "  ]\n}\n";
+    std::printf("\nwrote %s (%zu rows)\n", opt.json.c_str(), rows.size());
+  }
+  return 0;
+}

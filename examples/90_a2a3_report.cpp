@@ -1,0 +1,231 @@
+// a2a3_report: predicted latency of the decode-step kernels on the Ascend a2a3 execution model
+// (backend/a2a3), at B=4, S=2 and the CSA canonical starts 8192/0/2/3.
+//
+//   a2a3_report                 table: indexer (fused, two-scope), sparse attention, layers,
+//                               per launch the per-pipe busy time of the slowest core
+//   a2a3_report --json          one JSON object (indexer_fused_us, indexer_two_scope_us,
+//                               sparse_attn_us, csa_layer_us, hca_layer_us, swa_layer_us, details)
+//   a2a3_report --trace FILE    also writes the Chrome trace (chrome://tracing, Perfetto) of the
+//                               CSA layer (fused indexer) to FILE
+//
+// Inputs are seeded random fixtures of the real shapes; the schedules run functionally (their
+// results are checked against golden in tests/test_a2a3.cpp), the layer's other kernels are
+// timing-only (layer.hpp). Every constant comes from backend/a2a3/arch.hpp.
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/random.hpp"
+#include "tiledecode/backend/a2a3/arch.hpp"
+#include "tiledecode/backend/a2a3/indexer.hpp"
+#include "tiledecode/backend/a2a3/layer.hpp"
+#include "tiledecode/backend/a2a3/machine.hpp"
+#include "tiledecode/backend/a2a3/sparse_attention.hpp"
+#include "tiledecode/backend/a2a3/trace.hpp"
+#include "tiledecode/core/config.hpp"
+#include "tiledecode/core/hadamard.hpp"
+#include "tiledecode/core/parallel.hpp"
+#include "tiledecode/paged/metadata.hpp"
+#include "tiledecode/rope/rope.hpp"
+
+namespace td = tiledecode;
+namespace a2 = tiledecode::a2a3;
+using td::index_t;
+
+namespace {
+
+struct Fixture {
+  td::ModelConfig cfg = td::flash_config();
+  td::paged::StepShape sh{4, 2, -1};
+  index_t T = 8, B = 4;
+  std::vector<std::int32_t> starts{8192, 0, 2, 3};
+  td::Tensor<std::int32_t, 1> pos{{8}}, lens{{4}}, wlens{{8}};
+  td::Tensor<std::int32_t, 2> ori_table{{4, 128}}, cmp_table{{4, 32}}, idx_table{{4, 64}}, widx{{8, 128}};
+  // indexer
+  td::Tensor<td::bf16, 2> x_n{{8, 4096}}, weights_proj{{4096, 64}}, hadamard = td::make_hadamard_bf16(128);
+  td::Tensor<std::int8_t, 2> qr{{8, 1024}}, wq_b{{1024, 8192}}, idx_kv{{64 * 128, 128}};
+  td::Tensor<float, 1> qr_scale{{8}}, wq_b_scale{{8192}}, idx_scale{{64 * 128}};
+  td::Tensor<float, 2> score{{8, 4096}};
+  td::Tensor<std::int32_t, 2> topk{{8, 4096}};
+  // sparse attention
+  td::Tensor<td::bf16, 3> q{{8, 64, 512}}, wo_a{{8, 1024, 4096}};
+  td::Tensor<td::bf16, 2> ori_kv{{128 * 128, 512}}, cmp_kv{{32 * 128, 512}}, out{{8, 4096}};
+  td::Tensor<std::int8_t, 2> wo_b{{4096, 8192}};
+  td::Tensor<float, 1> sink{{64}}, wo_b_scale{{4096}};
+  td::RopeTable rope_csa = td::make_rope_table(cfg, td::LayerKind::csa, cfg.max_seq_len);
+  td::RopeTable rope_swa = td::make_rope_table(cfg, td::LayerKind::swa, cfg.max_seq_len);
+
+  Fixture() {
+    tdtest::Rng rng(2026);
+    td::paged::build_position_ids(pos.view(), starts, sh, cfg);
+    td::paged::build_kv_seq_lens(lens.view(), starts, sh, cfg);
+    td::paged::build_fixture_block_table(ori_table.view(), 128);
+    td::paged::build_fixture_block_table(cmp_table.view(), 32);
+    td::paged::build_fixture_block_table(idx_table.view(), 64);
+    td::paged::build_window_indices(widx.view(), wlens.view(), pos.view(), ori_table.view(), 128, sh, cfg);
+    rng.fill_uniform(x_n.flat(), -1.0f, 1.0f);
+    rng.fill_uniform(weights_proj.flat(), -0.4f, 0.4f);
+    rng.fill_int8(qr.flat());
+    rng.fill_int8(wq_b.flat());
+    rng.fill_int8(idx_kv.flat());
+    for (auto& s : qr_scale.flat()) s = rng.uniform(0.5f, 1.5f) / 127.0f;
+    for (auto& s : wq_b_scale.flat()) s = rng.uniform(0.5f, 1.5f) / 127.0f / 32.0f;
+    for (auto& s : idx_scale.flat()) s = rng.uniform(0.5f, 1.5f) / 127.0f;
+    rng.fill_uniform(q.flat(), -0.5f, 0.5f);
+    rng.fill_uniform(ori_kv.flat(), -0.5f, 0.5f);
+    rng.fill_uniform(cmp_kv.flat(), -0.5f, 0.5f);
+    rng.fill_uniform(wo_a.flat(), -0.035f, 0.035f);
+    rng.fill_int8(wo_b.flat());
+    for (auto& x : wo_b_scale.flat()) x = rng.uniform(0.5f, 1.5f) / 127.0f / 64.0f;
+    for (auto& x : sink.flat()) x = 4.0f;
+  }
+
+  a2::IndexerInputs indexer_inputs() const {
+    return {x_n.view(), qr.view(), qr_scale.view(), wq_b.view(), wq_b_scale.view(), weights_proj.view(),
+            hadamard.view(), rope_csa.view(), pos.view(), lens.view(), idx_kv.view(), idx_scale.view(),
+            idx_table.view(), sh.seq, 0};
+  }
+  a2::SparseAttnInputs sparse_inputs(td::LayerKind kind) const {
+    return {kind, q.view(), ori_kv.view(), widx.view(), wlens.view(), cmp_kv.view(), cmp_table.view(),
+            topk.view(), pos.view(), lens.view(), sink.view(),
+            kind == td::LayerKind::swa ? rope_swa.view() : rope_csa.view(), wo_a.view(), wo_b.view(),
+            wo_b_scale.view(), sh.seq};
+  }
+};
+
+std::string fmt(double v, int prec = 2) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.*f", prec, v);
+  return b;
+}
+
+void print_kernel(const a2::KernelReport& k) {
+  std::printf("%-28s %9s us   (GM %.2f MiB, ring %.2f MiB)\n", k.name.c_str(), fmt(k.latency_us()).c_str(),
+              double(k.traffic().gm_total()) / (1 << 20), double(k.traffic().ring) / (1 << 20));
+  std::printf("  %-30s %6s %8s %8s %8s %-7s |", "launch", "blocks", "lat_us", "core_us", "hbm_us", "slowest");
+  for (int p = 0; p < a2::kPipes; ++p) std::printf(" %7s", std::string(a2::pipe_name(a2::Pipe(p))).c_str());
+  std::printf("  (busy us, slowest core)\n");
+  for (const auto& l : k.launches) {
+    std::printf("  %-30s %6d %8s %8s %8s %-7s |", l.name.c_str(), l.blocks, fmt(l.latency_us).c_str(),
+                fmt(l.core_us).c_str(), fmt(l.hbm_bound_us).c_str(), l.slowest_core.c_str());
+    for (int p = 0; p < a2::kPipes; ++p) std::printf(" %7s", fmt(l.busy_slowest_us[std::size_t(p)]).c_str());
+    std::printf("\n");
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool json = false;
+  std::string trace_file;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json")) {
+      json = true;
+    } else if (!std::strcmp(argv[i], "--trace") && i + 1 < argc) {
+      trace_file = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: %s [--json] [--trace FILE]\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+    Fixture f;
+    td::ThreadPool pool;
+    const td::ModelConfig& cfg = f.cfg;
+
+    // CSA layer on a traced machine: front kernels, fused indexer, sparse attention, hc_post.
+    a2::Machine m(&pool);
+    m.set_tracing(!trace_file.empty());
+    a2::LayerReport csa{td::LayerKind::csa, a2::layer_front_timing(m, cfg, td::LayerKind::csa, f.T, f.B)};
+    a2::IndexerWorkspace iws(int(f.T), cfg, false);
+    const a2::KernelReport fused = a2::indexer(m, f.indexer_inputs(), {f.score.view(), f.topk.view()}, iws, cfg);
+    csa.kernels.push_back(fused);
+    a2::SparseAttnWorkspace sws(int(f.T), td::LayerKind::csa, cfg);
+    const a2::KernelReport sparse = a2::sparse_attention(m, f.sparse_inputs(td::LayerKind::csa), f.out.view(), sws, cfg);
+    csa.kernels.push_back(sparse);
+    csa.kernels.push_back(a2::hc_post_timing(m, cfg, f.T));
+
+    // Two-scope indexer (untraced machine).
+    a2::Machine m2(&pool);
+    a2::IndexerWorkspace iws2(int(f.T), cfg, true);
+    const a2::KernelReport two = a2::indexer(m2, f.indexer_inputs(), {f.score.view(), f.topk.view()}, iws2, cfg,
+                                             a2::ScoreDesign::two_scope);
+
+    // HCA and SWA layers at the same starts.
+    a2::LayerReport hca{td::LayerKind::hca, a2::layer_front_timing(m2, cfg, td::LayerKind::hca, f.T, f.B)};
+    a2::SparseAttnWorkspace hws(int(f.T), td::LayerKind::hca, cfg);
+    hca.kernels.push_back(a2::sparse_attention(m2, f.sparse_inputs(td::LayerKind::hca), f.out.view(), hws, cfg));
+    hca.kernels.push_back(a2::hc_post_timing(m2, cfg, f.T));
+    a2::LayerReport swa{td::LayerKind::swa, a2::layer_front_timing(m2, cfg, td::LayerKind::swa, f.T, f.B)};
+    a2::SparseAttnWorkspace wws(int(f.T), td::LayerKind::swa, cfg);
+    swa.kernels.push_back(a2::sparse_attention(m2, f.sparse_inputs(td::LayerKind::swa), f.out.view(), wws, cfg));
+    swa.kernels.push_back(a2::hc_post_timing(m2, cfg, f.T));
+
+    if (!trace_file.empty()) {
+      std::ofstream os(trace_file);
+      if (!os) throw td::Error("a2a3_report: cannot open trace file '" + trace_file + "'");
+      a2::write_chrome_trace(os, m);
+    }
+
+    if (json) {
+      std::ostringstream o;
+      o << "{\"model\":\"a2a3\",\"shape\":{\"B\":4,\"S\":2,\"starts\":[8192,0,2,3]}"
+        << ",\"indexer_fused_us\":" << fmt(fused.latency_us(), 3)
+        << ",\"indexer_two_scope_us\":" << fmt(two.latency_us(), 3)
+        << ",\"sparse_attn_us\":" << fmt(sparse.latency_us(), 3)
+        << ",\"csa_layer_us\":" << fmt(csa.latency_us(), 3)
+        << ",\"hca_layer_us\":" << fmt(hca.latency_us(), 3)
+        << ",\"swa_layer_us\":" << fmt(swa.latency_us(), 3)
+        << ",\"launch_overhead_us\":" << fmt(a2::kArch.launch_overhead_us, 3)
+        << ",\"timing_only_kernels\":[\"hc_pre\",\"rms_norm\",\"qkv_proj_rope\",\"cache_write\","
+           "\"compressor_ratio4\",\"compressor_ratio128\",\"indexer.inner_cmp\",\"hc_post\"]";
+      auto layer_json = [&](const char* key, const a2::LayerReport& l) {
+        o << ",\"" << key << "\":[";
+        for (std::size_t i = 0; i < l.kernels.size(); ++i)
+          o << (i ? "," : "") << "{\"kernel\":\"" << l.kernels[i].name << "\",\"latency_us\":"
+            << fmt(l.kernels[i].latency_us(), 3) << "}";
+        o << "]";
+      };
+      layer_json("csa_layer", csa);
+      layer_json("hca_layer", hca);
+      layer_json("swa_layer", swa);
+      o << ",\"kernels\":{\"indexer_fused\":" << a2::kernel_json(fused)
+        << ",\"indexer_two_scope\":" << a2::kernel_json(two) << ",\"sparse_attn\":" << a2::kernel_json(sparse)
+        << "}}";
+      std::cout << o.str() << "\n";
+      return 0;
+    }
+
+    std::printf("a2a3 execution model (one 910B-class die: %d AIC + %d AIV, %.2f GHz, HBM %.2f TB/s,\n"
+                "launch overhead %.1f us); B=4, S=2, CSA canonical starts 8192/0/2/3\n\n",
+                a2::kArch.cube_cores, a2::kArch.vector_cores(), a2::kArch.clock_hz / 1e9,
+                a2::kArch.hbm_bytes_per_s / 1e12, a2::kArch.launch_overhead_us);
+    print_kernel(fused);
+    std::printf("\n");
+    print_kernel(two);
+    std::printf("\n");
+    print_kernel(sparse);
+    std::printf("\nlayers (kernels of spec §9.2 in sequence; * = timing-only tile program):\n");
+    for (const auto* l : {&csa, &hca, &swa}) {
+      std::printf("  %s layer %9s us :", std::string(td::to_string(l->kind)).c_str(), fmt(l->latency_us()).c_str());
+      for (const auto& k : l->kernels) {
+        const bool timing_only = k.name != "indexer_fused" && k.name.rfind("sparse_attn", 0) != 0;
+        std::printf(" %s%s=%s", k.name.c_str(), timing_only ? "*" : "", fmt(k.latency_us()).c_str());
+      }
+      std::printf("\n");
+    }
+    std::printf("\nsummary: indexer fused %.2f us vs two-scope %.2f us; sparse attention %.2f us\n",
+                fused.latency_us(), two.latency_us(), sparse.latency_us());
+    if (!trace_file.empty()) std::printf("trace written to %s\n", trace_file.c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "a2a3_report: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

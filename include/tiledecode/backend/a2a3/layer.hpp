@@ -1,0 +1,119 @@
+#pragma once
+// Layer schedules (spec §9.2) on the a2a3 model: the kernels of one SWA / CSA / HCA attention
+// layer in sequence, each a launch (or a few) with its own launch overhead.
+//
+//   hc_pre -> rms_norm -> qkv_proj_rope -> cache write -> [compressor] -> [indexer] ->
+//   sparse_attn -> hc_post
+//
+// The indexer (indexer.hpp) and sparse attention (sparse_attention.hpp) are the functional,
+// golden-checked schedules. The other kernels here - hc_pre, rms_norm, qkv_proj_rope, the cache
+// write, the main compressors (ratio 4 / ratio 128), the indexer's inner compressor, hc_post -
+// are TIMING-ONLY tile programs: real copies, mmads and vector ops of the real shapes, issued on
+// the model's cores and timed by the same cost model, but run with the machine in timing-only
+// mode (no data is computed), because no functional a2a3 schedule of them exists yet. Their
+// weights stream from GM exactly once per launch; their vector work is counted pass by pass.
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tiledecode/backend/a2a3/machine.hpp"
+#include "tiledecode/backend/a2a3/timing.hpp"
+#include "tiledecode/core/bf16.hpp"
+#include "tiledecode/core/config.hpp"
+#include "tiledecode/core/view.hpp"
+
+namespace tiledecode::a2a3 {
+
+// hc_pre (§4.1): RMS-scaled linear mix of the 4 streams (cube, (T x 4D) . (24 x 4D)^T) then
+// Sinkhorn (20 iterations of a 4x4 normalisation) and the weighted mix (vector, per token).
+inline KernelReport hc_pre_timing(Machine& m, const ModelConfig& cfg, index_t T) {
+  detail::TimingOnly off(m);
+  const index_t D = cfg.hidden, HC = cfg.hc_mult;
+  m.begin_kernel("hc_pre");
+  detail::gemm_timing<bf16>(m, "hc_pre.mix_mm", T, (2 + HC) * HC, HC * D, 1);
+  detail::vector_timing(m, "hc_pre.sinkhorn_mix", int(T), HC * D * 4, D * 2, HC * D, 4 + 20);
+  return m.end_kernel();
+}
+
+// rms_norm (§4.2), per token.
+inline KernelReport rmsnorm_timing(Machine& m, const ModelConfig& cfg, index_t T) {
+  detail::TimingOnly off(m);
+  m.begin_kernel("rms_norm");
+  detail::vector_timing(m, "rms_norm", int(T), cfg.hidden * 2 + cfg.hidden * 2, cfg.hidden * 2,
+                        cfg.hidden, 4);
+  return m.end_kernel();
+}
+
+// qkv_proj_rope (§4.3): q LoRA (BF16 wq_a, RMSNorm + Q8, INT8 wq_b, dequant + per-head RMSNorm +
+// RoPE) and kv (BF16 wkv, RMSNorm + RoPE).
+inline KernelReport qkv_proj_rope_timing(Machine& m, const ModelConfig& cfg, index_t T) {
+  detail::TimingOnly off(m);
+  const index_t D = cfg.hidden, QL = cfg.q_lora, HQ = index_t(cfg.n_heads) * cfg.head_dim;
+  const int lanes = m.arch().cube_cores;
+  m.begin_kernel("qkv_proj_rope");
+  detail::gemm_timing<bf16>(m, "qkv.q_a_mm", T, QL, D, lanes);
+  detail::vector_timing(m, "qkv.q_norm_quant", int(T), QL * 4, QL + 4, QL, 5);
+  detail::gemm_timing<std::int8_t>(m, "qkv.q_b_mm", T, HQ, QL, lanes);
+  detail::vector_timing(m, "qkv.q_dequant_norm_rope", int(T * 4), HQ / 4 * 4 * 2, HQ / 4 * 2,
+                        HQ / 4, 7);
+  detail::gemm_timing<bf16>(m, "qkv.kv_mm", T, cfg.head_dim, D, lanes);
+  detail::vector_timing(m, "qkv.kv_norm_rope", int(T), cfg.head_dim * 4, cfg.head_dim * 2,
+                        cfg.head_dim, 6);
+  return m.end_kernel();
+}
+
+// Write of the new kv rows into the paged cache (§3.3): one 1 KiB row per token.
+inline KernelReport cache_write_timing(Machine& m, const ModelConfig& cfg, index_t T) {
+  detail::TimingOnly off(m);
+  m.begin_kernel("cache_write");
+  detail::vector_timing(m, "cache_write", 1, T * cfg.head_dim * 2, T * cfg.head_dim * 2,
+                        T * cfg.head_dim, 1);
+  return m.end_kernel();
+}
+
+inline KernelReport compressor_timing(Machine& m, const ModelConfig& cfg, index_t T, index_t B,
+                                      int ratio) {
+  detail::TimingOnly off(m);
+  m.begin_kernel(ratio == 4 ? "compressor_ratio4" : "compressor_ratio128");
+  detail::compressor_launches(m, cfg, ratio == 4 ? "cmp4" : "cmp128", T, B, ratio, cfg.head_dim, false);
+  return m.end_kernel();
+}
+
+// hc_post (§4.5): y[t,o,:] = attn_out[t]*post[t,o] + sum_i x_hc[t,i,:]*comb[t,i,o] (FP32).
+inline KernelReport hc_post_timing(Machine& m, const ModelConfig& cfg, index_t T) {
+  detail::TimingOnly off(m);
+  const index_t D = cfg.hidden, HC = cfg.hc_mult;
+  m.begin_kernel("hc_post");
+  detail::vector_timing(m, "hc_post", int(T * 2), HC * D * 4 / 2 + D, HC * D * 4 / 2,
+                        HC * D / 2, 2 * HC);
+  return m.end_kernel();
+}
+
+// A layer report: its kernels in order (§9.2); latency = the sum (each kernel's launches carry
+// their launch overheads).
+struct LayerReport {
+  LayerKind kind;
+  std::vector<KernelReport> kernels;
+  double latency_us() const {
+    double s = 0;
+    for (const auto& k : kernels) s += k.latency_us();
+    return s;
+  }
+};
+
+// The kernels of a layer of `kind` before its attention core (timing-only), in order.
+inline std::vector<KernelReport> layer_front_timing(Machine& m, const ModelConfig& cfg,
+                                                    LayerKind kind, index_t T, index_t B) {
+  std::vector<KernelReport> r;
+  r.push_back(hc_pre_timing(m, cfg, T));
+  r.push_back(rmsnorm_timing(m, cfg, T));
+  r.push_back(qkv_proj_rope_timing(m, cfg, T));
+  r.push_back(cache_write_timing(m, cfg, T));
+  if (kind == LayerKind::csa) r.push_back(compressor_timing(m, cfg, T, B, 4));
+  if (kind == LayerKind::hca) r.push_back(compressor_timing(m, cfg, T, B, 128));
+  return r;
+}
+
+}  // namespace tiledecode::a2a3

@@ -1,0 +1,723 @@
+#pragma once
+// The a2a3 execution model: cores with pipes, explicit copies, a cross-core ring, SPMD launch of
+// mixed blocks, and the cost model that times every issued op.
+//
+// Execution. A schedule is a tile program: for each block of a launch it calls ops on the
+// block's cube core (`CubeCore`: GM->L1 copies, L1->L0 moves, mmad, FIXPIPE out of L0C) and on
+// its two vector cores (`VectorCore`: GM<->UB copies, vector ops on UB tiles, sorts, scalar
+// work). Every op runs functionally at once (it really computes on the tile data) and is timed.
+//
+// Cost model (constants only from arch.hpp):
+//  * every core has in-order pipes MTE2 (GM->local), MTE1 (L1->L0), CUBE, FIXPIPE (L0C->out),
+//    VECTOR, MTE3 (UB->GM) and SCALAR; an op starts when its pipe is free and its operands are
+//    ready: RAW on the buffers it reads, WAR/WAW on the buffers it writes (the flags a lowering
+//    inserts), plus a pipe-sync cost when the producer was another pipe and a cross-core sync
+//    cost when it was another core (ring traffic). Pipes therefore overlap exactly as far as the
+//    issued dependencies allow: a double buffer overlaps, a single buffer serialises.
+//  * op durations: DMA = per-descriptor issue cost + max(bytes, min burst) / port rate, with the
+//    GM latency delaying readiness but not occupying the pipe; mmad = fractal count (16x16x16
+//    BF16 or 16x32x16 INT8 per cycle; partial fractals pay in full, so T = 8 rows pads to 16);
+//    vector op = bytes / 256 B-per-cycle x op factor + fixed issue cost.
+//  * a launch (one kernel / scope) takes max(slowest core, total HBM bytes / HBM bandwidth) plus
+//    the launch overhead; a kernel made of several launches takes their sum.
+// Cores of a launch are independent in the model except through rings inside a block, so blocks
+// are executed per core (core c runs its blocks c, c + cores, ... in order) and cores in parallel
+// on an Executor: functional results and predicted times are identical for any thread count.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "tiledecode/backend/a2a3/arch.hpp"
+#include "tiledecode/backend/a2a3/memory.hpp"
+#include "tiledecode/core/error.hpp"
+#include "tiledecode/core/parallel.hpp"
+#include "tiledecode/core/view.hpp"
+
+namespace tiledecode::a2a3 {
+
+enum class Pipe : std::uint8_t { mte2 = 0, mte1, cube, fixpipe, vector, mte3, scalar };
+inline constexpr int kPipes = 7;
+
+constexpr std::string_view pipe_name(Pipe p) {
+  constexpr std::array<std::string_view, kPipes> n{"MTE2", "MTE1", "CUBE", "FIXPIPE",
+                                                   "VECTOR", "MTE3", "SCALAR"};
+  return n[static_cast<int>(p)];
+}
+
+enum class Role : std::uint8_t { cube, vector };
+
+// Bytes moved per memory level (both directions counted where a level is read and written).
+struct Traffic {
+  std::int64_t gm_read = 0;    // HBM/GM -> L1 or UB
+  std::int64_t gm_write = 0;   // L0C or UB -> GM
+  std::int64_t ring = 0;       // cube<->vector ring through the L2-resident workspace (in + out)
+  std::int64_t l1_in = 0;      // into L1 (GM and ring)
+  std::int64_t l0a_in = 0;     // L1 -> L0A
+  std::int64_t l0b_in = 0;     // L1 -> L0B
+  std::int64_t l0c_out = 0;    // FIXPIPE out of L0C
+  std::int64_t ub_in = 0;      // into UB (GM and ring)
+  std::int64_t ub_out = 0;     // UB -> GM and ring
+  std::int64_t gm_total() const { return gm_read + gm_write; }
+  Traffic& operator+=(const Traffic& o) {
+    gm_read += o.gm_read;
+    gm_write += o.gm_write;
+    ring += o.ring;
+    l1_in += o.l1_in;
+    l0a_in += o.l0a_in;
+    l0b_in += o.l0b_in;
+    l0c_out += o.l0c_out;
+    ub_in += o.ub_in;
+    ub_out += o.ub_out;
+    return *this;
+  }
+};
+
+// One timed op, for the Chrome trace.
+struct OpRecord {
+  std::string_view name;
+  Pipe pipe;
+  double start, end;  // cycles from the launch start
+};
+
+class Machine;
+
+// A core of the model: pipes, local memories, issued-op log and traffic counters.
+class Core {
+ public:
+  Core(Role role, int id, const ArchFacts& arch) : role_(role), id_(id), arch_(&arch) {
+    const std::string n = name();
+    if (role == Role::cube) {
+      mem_[int(Space::l1)] = LocalMemory(Space::l1, arch.l1_bytes, n);
+      mem_[int(Space::l0a)] = LocalMemory(Space::l0a, arch.l0a_bytes, n);
+      mem_[int(Space::l0b)] = LocalMemory(Space::l0b, arch.l0b_bytes, n);
+      mem_[int(Space::l0c)] = LocalMemory(Space::l0c, arch.l0c_bytes, n);
+    } else {
+      mem_[int(Space::ub)] = LocalMemory(Space::ub, arch.ub_bytes, n);
+    }
+  }
+
+  Role role() const { return role_; }
+  int id() const { return id_; }
+  std::string name() const { return (role_ == Role::cube ? "AIC" : "AIV") + std::to_string(id_); }
+  const ArchFacts& arch() const { return *arch_; }
+
+  // Allocates a local buffer; throws (plan-time check) when the space overflows.
+  template <class T>
+  Tile<T> alloc(Space s, std::string_view name, index_t rows, index_t cols) {
+    check_space(s);
+    return mem_[int(s)].alloc<T>(name, rows, cols);
+  }
+  const LocalMemory& memory(Space s) const { return mem_[int(s)]; }
+  bool has_space(Space s) const {
+    return role_ == Role::cube ? (s == Space::l1 || s == Space::l0a || s == Space::l0b ||
+                                  s == Space::l0c)
+                               : s == Space::ub;
+  }
+
+  // Issues one op: returns its end cycle. `reads`/`writes` are the buffers whose flags order it.
+  double issue(Pipe p, std::string_view name, double cycles,
+               std::initializer_list<BufferState*> reads,
+               std::initializer_list<BufferState*> writes, double write_latency = 0) {
+    double start = pipe_free_[int(p)];
+    for (BufferState* r : reads) {
+      const double sync =
+          (r->writer_pipe >= 0 && r->writer_pipe != int(p)) ? arch_->pipe_sync_cycles : 0.0;
+      start = std::max(start, r->ready + sync);
+    }
+    for (BufferState* w : writes) start = std::max({start, w->ready, w->read_end});
+    const double end = start + cycles;
+    pipe_free_[int(p)] = end;
+    busy_[int(p)] += cycles;
+    for (BufferState* r : reads) r->read_end = std::max(r->read_end, end);
+    for (BufferState* w : writes) {
+      w->ready = end + write_latency;
+      w->read_end = end;
+      w->writer_pipe = int(p);
+    }
+    ops_.push_back({name, p, start, end});
+    return end;
+  }
+
+  // --- timing helpers shared by the op wrappers (cycles) ---
+  double dma_cycles(std::int64_t descriptors, std::int64_t bytes_each) const {
+    const double b = double(std::max<std::int64_t>(bytes_each, arch_->min_burst_bytes));
+    return double(descriptors) * (arch_->dma_issue_cycles + b / arch_->gm_port_bytes_per_cycle);
+  }
+
+  // --- explicit GM -> local copy (MTE2): rows of `src` into rows [r0, r0 + rows) of `dst`.
+  // One DataCopy instruction (a strided copy is one descriptor of `rows` bursts).
+  template <class T>
+  void copy_in(Tile<T> dst, index_t r0, std::type_identity_t<ConstView<T, 2>> src,
+               std::string_view name = "copy_in") {
+    check_copy(dst, r0, src.extent(0), src.extent(1), "copy_in");
+    if (functional_)
+      for (index_t r = 0; r < src.extent(0); ++r)
+        std::memcpy(dst.row(r0 + r), &src(r, 0), sizeof(T) * std::size_t(src.extent(1)));
+    const std::int64_t row_bytes = std::int64_t(sizeof(T)) * src.extent(1);
+    const bool contiguous = src.extent(0) == 1 || src.stride(0) == src.extent(1);
+    const double cyc = contiguous ? dma_cycles(1, row_bytes * src.extent(0))
+                                  : arch_->dma_issue_cycles + double(src.extent(0)) *
+                                        double(std::max(row_bytes, arch_->min_burst_bytes)) /
+                                        arch_->gm_port_bytes_per_cycle;
+    issue(Pipe::mte2, name, cyc, {}, {&dst.state()}, arch_->dma_latency_cycles);
+    count_in(dst.space(), row_bytes * src.extent(0));
+  }
+
+  // --- GM row gather (MTE2): row `rows[i]` of `src` (-1: zero row, no read) into dst row r0+i.
+  // One DataCopy per row: sparse gathers are issue-bound.
+  template <class T, class Idx>
+  void gather_rows_in(Tile<T> dst, index_t r0, std::type_identity_t<ConstView<T, 2>> src,
+                      std::span<const Idx> rows,
+                      std::string_view name = "gather_rows") {
+    check_copy(dst, r0, index_t(rows.size()), src.extent(1), "gather_rows_in");
+    const std::int64_t row_bytes = std::int64_t(sizeof(T)) * src.extent(1);
+    std::int64_t n = 0;
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      T* d = dst.row(r0 + index_t(i));
+      if (rows[i] < 0) {
+        if (functional_) std::memset(static_cast<void*>(d), 0, std::size_t(row_bytes));
+      } else {
+        if (functional_) std::memcpy(d, &src(index_t(rows[i]), 0), std::size_t(row_bytes));
+        ++n;
+      }
+    }
+    // Zero rows are produced by a vector dup / zeroed buffer, not by a GM read: not counted.
+    issue(Pipe::mte2, name, n ? dma_cycles(n, row_bytes) : 1.0, {}, {&dst.state()},
+          arch_->dma_latency_cycles);
+    count_in(dst.space(), row_bytes * n);
+  }
+
+  // --- local -> GM copy: rows [r0, r0 + dst rows) of `src` (MTE3 from UB, FIXPIPE from L0C).
+  template <class T>
+  void copy_out(std::type_identity_t<View<T, 2>> dst, Tile<T> src, index_t r0,
+                std::string_view name = "copy_out") {
+    if (src.space() != Space::ub && src.space() != Space::l0c)
+      throw Error("a2a3 copy_out: source '" + std::string(src.name()) + "' is in " +
+                  std::string(space_name(src.space())) + "; only UB and L0C are written to GM");
+    check_copy(src, r0, dst.extent(0), dst.extent(1), "copy_out");
+    if (functional_)
+      for (index_t r = 0; r < dst.extent(0); ++r)
+        std::memcpy(&dst(r, 0), src.row(r0 + r), sizeof(T) * std::size_t(dst.extent(1)));
+    const std::int64_t row_bytes = std::int64_t(sizeof(T)) * dst.extent(1);
+    const bool contiguous = dst.extent(0) == 1 || dst.stride(0) == dst.extent(1);
+    const double rate = src.space() == Space::l0c ? arch_->fixpipe_bytes_per_cycle
+                                                  : arch_->gm_port_bytes_per_cycle;
+    const double cyc =
+        arch_->dma_issue_cycles +
+        (contiguous ? double(std::max(row_bytes * dst.extent(0), arch_->min_burst_bytes))
+                    : double(dst.extent(0)) * double(std::max(row_bytes, arch_->min_burst_bytes))) /
+            rate;
+    issue(src.space() == Space::l0c ? Pipe::fixpipe : Pipe::mte3, name, cyc, {&src.state()}, {});
+    const std::int64_t bytes = row_bytes * dst.extent(0);
+    traffic_.gm_write += bytes;
+    if (src.space() == Space::l0c)
+      traffic_.l0c_out += bytes;
+    else
+      traffic_.ub_out += bytes;
+  }
+
+  // --- scalar work (metadata walks, loop bookkeeping): `ops` scalar instructions.
+  template <class F>
+  void scalar(std::string_view name, double ops, std::initializer_list<BufferState*> reads,
+              std::initializer_list<BufferState*> writes, F&& body) {
+    if (functional_) body();
+    issue(Pipe::scalar, name, ops * arch_->scalar_cycles_per_op, reads, writes);
+  }
+
+  // --- launch bookkeeping ---
+  void begin_launch() {
+    pipe_free_.fill(0);
+    busy_.fill(0);
+    ops_.clear();
+    traffic_ = {};
+    for (auto& m : mem_) {
+      m.reset();
+      m.reset_peak();
+    }
+    used_ = false;
+  }
+  void end_block() {
+    for (auto& m : mem_) m.reset();
+  }
+  void mark_used() { used_ = true; }
+  // Functional (ops compute on tile data) or timing-only (ops are only timed and counted; GM
+  // views may then be shape-only, with a null data pointer).
+  void set_functional(bool on) { functional_ = on; }
+  bool functional() const { return functional_; }
+  bool used() const { return used_; }
+  double finish_cycles() const { return *std::max_element(pipe_free_.begin(), pipe_free_.end()); }
+  double busy(Pipe p) const { return busy_[int(p)]; }
+  const std::vector<OpRecord>& ops() const { return ops_; }
+  Traffic& traffic() { return traffic_; }
+  const Traffic& traffic() const { return traffic_; }
+
+  void count_in(Space s, std::int64_t bytes) {
+    traffic_.gm_read += bytes;
+    if (s == Space::l1) traffic_.l1_in += bytes;
+    if (s == Space::ub) traffic_.ub_in += bytes;
+  }
+
+ protected:
+  void check_space(Space s) const {
+    if (!has_space(s))
+      throw Error("a2a3 plan: " + name() + " has no " + std::string(space_name(s)) +
+                  " (cube cores own L1/L0A/L0B/L0C, vector cores own UB)");
+  }
+  template <class T>
+  void check_copy(const Tile<T>& t, index_t r0, index_t rows, index_t cols,
+                  std::string_view where) const {
+    check_space(t.space());
+    if (r0 < 0 || r0 + rows > t.rows() || cols > t.cols())
+      throw Error("a2a3 " + std::string(where) + ": " + std::to_string(rows) + "x" +
+                  std::to_string(cols) + " at row " + std::to_string(r0) + " exceeds buffer '" +
+                  std::string(t.name()) + "' (" + std::to_string(t.rows()) + "x" +
+                  std::to_string(t.cols()) + ")");
+  }
+
+  Role role_;
+  int id_;
+  const ArchFacts* arch_;
+  std::array<LocalMemory, kLocalSpaces> mem_;
+  std::array<double, kPipes> pipe_free_{};
+  std::array<double, kPipes> busy_{};
+  std::vector<OpRecord> ops_;
+  Traffic traffic_;
+  bool used_ = false;
+  bool functional_ = true;
+};
+
+// Element type of the cube's accumulator for an operand type.
+template <class In>
+using acc_t = std::conditional_t<std::is_same_v<In, std::int8_t>, std::int32_t, float>;
+
+// Cube core (AIC): L1 staging, L0A/L0B operands, mmad into L0C, FIXPIPE out.
+class CubeCore : public Core {
+ public:
+  CubeCore(int id, const ArchFacts& arch) : Core(Role::cube, id, arch) {}
+
+  // MTE1: sub-block [r0, r0+rows) x [c0, c0+cols) of an L1 tile into an L0A/L0B tile (row-major
+  // (rows, cols)). `transpose` stores it as (cols, rows) (the load's transpose mode).
+  template <class T>
+  void load_l0(Tile<T> dst, Tile<T> src, index_t r0, index_t rows, index_t c0, index_t cols,
+               bool transpose = false, std::string_view name = "load_l0") {
+    if (src.space() != Space::l1 || (dst.space() != Space::l0a && dst.space() != Space::l0b))
+      throw Error("a2a3 load_l0: moves L1 -> L0A/L0B only ('" + std::string(src.name()) + "' -> '" +
+                  std::string(dst.name()) + "')");
+    const index_t dr = transpose ? cols : rows, dc = transpose ? rows : cols;
+    if (r0 < 0 || c0 < 0 || r0 + rows > src.rows() || c0 + cols > src.cols() || dr > dst.rows() ||
+        dc > dst.cols())
+      throw Error("a2a3 load_l0: block does not fit '" + std::string(dst.name()) + "'");
+    for (index_t r = 0; r < rows && functional_; ++r)
+      for (index_t c = 0; c < cols; ++c) {
+        if (transpose)
+          dst(c, r) = src(r0 + r, c0 + c);
+        else
+          dst(r, c) = src(r0 + r, c0 + c);
+      }
+    const std::int64_t bytes = std::int64_t(sizeof(T)) * rows * cols;
+    issue(Pipe::mte1, name, arch_->pipe_sync_cycles + double(bytes) / arch_->mte1_bytes_per_cycle,
+          {&src.state()}, {&dst.state()});
+    (dst.space() == Space::l0a ? traffic_.l0a_in : traffic_.l0b_in) += bytes;
+  }
+
+  // CUBE: c[0:m, c0:c0+n] (+)= a[0:m, 0:k] . b[0:n, 0:k]^T   (a in L0A as (m, k), b in L0B as
+  // (n, k), c0 a column offset into the L0C tile). INT8 x INT8 -> INT32 (exact), BF16 x BF16 ->
+  // FP32 (products exact, summed in k order). Cycles: one 16 x (16|32) x 16 fractal per cycle,
+  // partial fractals padded.
+  template <class In, class Acc>
+  void mmad(Tile<Acc> c, Tile<In> a, Tile<In> b, index_t m, index_t n, index_t k, bool accumulate,
+            std::string_view name = "mmad", index_t c0 = 0) {
+    static_assert(std::is_same_v<Acc, acc_t<In>>, "mmad: INT8 accumulates in INT32, BF16 in FP32");
+    if (a.space() != Space::l0a || b.space() != Space::l0b || c.space() != Space::l0c)
+      throw Error("a2a3 mmad: operands must be L0A x L0B -> L0C");
+    if (m > a.rows() || k > a.cols() || n > b.rows() || k > b.cols() || m > c.rows() ||
+        c0 < 0 || c0 + n > c.cols())
+      throw Error("a2a3 mmad: shape exceeds an operand buffer");
+    for (index_t i = 0; i < m && functional_; ++i)
+      for (index_t j = c0; j < c0 + n; ++j) {
+        Acc s = accumulate ? c(i, j) : Acc(0);
+        const In* ar = a.row(i);
+        const In* br = b.row(j - c0);
+        if constexpr (std::is_same_v<In, std::int8_t>) {
+          std::int32_t d = 0;
+          for (index_t q = 0; q < k; ++q) d += std::int32_t(ar[q]) * std::int32_t(br[q]);
+          s += d;
+        } else {
+          float d = 0;
+          for (index_t q = 0; q < k; ++q) d += float(ar[q]) * float(br[q]);
+          s += d;
+        }
+        c(i, j) = s;
+      }
+    const double kf = std::is_same_v<In, std::int8_t> ? 32.0 : 16.0;
+    const double fractals = std::ceil(double(m) / 16) * std::ceil(double(n) / 16) *
+                            std::ceil(double(k) / kf);
+    issue(Pipe::cube, name, fractals + arch_->pipe_sync_cycles, {&a.state(), &b.state()},
+          {&c.state()});
+  }
+};
+
+// Vector core (AIV): UB tiles, vector ops, sorts.
+class VectorCore : public Core {
+ public:
+  VectorCore(int id, const ArchFacts& arch) : Core(Role::vector, id, arch) {}
+
+  // VECTOR: an elementwise/reduction op over `elems` elements of `elem_bytes` each, costing
+  // `factor` x the plain rate (exp: arch.vector_exp_cost_factor). `body` computes it.
+  template <class F>
+  void vec(std::string_view name, index_t elems, int elem_bytes,
+           std::initializer_list<BufferState*> reads, std::initializer_list<BufferState*> writes,
+           F&& body, double factor = 1.0) {
+    if (functional_) body();
+    const double cyc = arch_->vector_op_overhead_cycles +
+                       factor * std::ceil(double(elems) * elem_bytes / arch_->vector_bytes_per_cycle);
+    issue(Pipe::vector, name, cyc, reads, writes);
+  }
+
+  // VECTOR: Sort32 over `elems` (score, index) pairs (sorted runs of 32).
+  template <class F>
+  void sort32(std::string_view name, index_t elems, std::initializer_list<BufferState*> reads,
+              std::initializer_list<BufferState*> writes, F&& body) {
+    if (functional_) body();
+    issue(Pipe::vector, name,
+          arch_->vector_op_overhead_cycles + double(elems) * arch_->sort32_cycles_per_element,
+          reads, writes);
+  }
+  // VECTOR: one MrgSort pass producing `elems` merged pairs.
+  template <class F>
+  void merge(std::string_view name, index_t elems, std::initializer_list<BufferState*> reads,
+             std::initializer_list<BufferState*> writes, F&& body) {
+    if (functional_) body();
+    issue(Pipe::vector, name,
+          arch_->vector_op_overhead_cycles + double(elems) * arch_->merge_cycles_per_element,
+          reads, writes);
+  }
+};
+
+// Cross-core ring with `slot_num` slots from a producer core to a consumer core of one block.
+// Slots live in the consumer's local memory (UB for cube->vector, L1 for vector->cube) and are
+// allocated (and capacity-checked) when the ring is made. The transfer goes through the
+// L2-resident workspace in GM (the a2a3 cores share no direct path): the producer's FIXPIPE
+// (from L0C) or MTE3 (from UB) writes the slot's workspace, a cross-core flag tells the consumer,
+// whose MTE2 copies it into the slot. Back-pressure: a slot is reused only after the consumer
+// released it, and the producer's write waits for the consumer's last read of the slot.
+template <class T>
+class Ring {
+ public:
+  Ring(Core& producer, Core& consumer, std::string_view name, int slot_num, index_t rows,
+       index_t cols)
+      : prod_(&producer), cons_(&consumer), name_(name) {
+    if (slot_num < 1) throw_arg("a2a3 Ring", "slot_num", slot_num, ">= 1");
+    if (producer.role() == consumer.role())
+      throw Error("a2a3 Ring '" + std::string(name) + "': connects a cube core and a vector core");
+    const Space s = consumer.role() == Role::vector ? Space::ub : Space::l1;
+    for (int i = 0; i < slot_num; ++i) {
+      slots_.push_back(consumer.alloc<T>(s, name, rows, cols));
+      ws_.push_back(std::make_unique<BufferState>());
+    }
+    state_.assign(std::size_t(slot_num), 0);
+  }
+
+  int slot_num() const { return int(slots_.size()); }
+
+  // Pushes rows [r0, r0 + rows) of the producer's tile `src` (L0C or UB) into the next slot,
+  // rows [0, rows) of it. Returns the slot index.
+  int push(Tile<T> src, index_t r0, index_t rows, std::string_view name = "ring_push") {
+    const int k = int(pushed_ % slots_.size());
+    if (state_[std::size_t(k)] != 0)
+      throw Error("a2a3 Ring '" + name_ + "': push into slot " + std::to_string(k) +
+                  " before the consumer released it (slot_num " + std::to_string(slot_num()) +
+                  "); this program order would deadlock on the chip");
+    Tile<T>& dst = slots_[std::size_t(k)];
+    if (r0 < 0 || r0 + rows > src.rows() || rows > dst.rows() || src.cols() != dst.cols())
+      throw Error("a2a3 Ring '" + name_ + "': tile does not match the slot shape");
+    if (prod_->functional())
+      for (index_t r = 0; r < rows; ++r)
+        std::memcpy(dst.row(r), src.row(r0 + r), sizeof(T) * std::size_t(dst.cols()));
+    const ArchFacts& a = prod_->arch();
+    const std::int64_t bytes = std::int64_t(sizeof(T)) * rows * dst.cols();
+    BufferState& ws = *ws_[std::size_t(k)];
+    const bool from_cube = src.space() == Space::l0c;
+    const double rate = from_cube ? a.fixpipe_bytes_per_cycle : a.gm_port_bytes_per_cycle;
+    const double l2_rate = a.l2_bytes_per_s / a.clock_hz;
+    const double cyc = a.dma_issue_cycles + double(bytes) / std::min(rate, l2_rate);
+    // Back-pressure: the producer waits for the consumer's release of this slot (its last read
+    // of the previous tile in it), signalled by a cross-core flag.
+    BufferState freed;
+    if (pushed_ >= std::int64_t(slots_.size()))
+      freed.ready = dst.state().read_end + a.cross_core_sync_cycles;
+    prod_->issue(from_cube ? Pipe::fixpipe : Pipe::mte3, name, cyc, {&src.state(), &freed}, {&ws},
+                 a.cross_core_sync_cycles);
+    // Workspace -> slot on the consumer's MTE2.
+    cons_->issue(Pipe::mte2, name, a.dma_issue_cycles + double(bytes) / l2_rate, {&ws},
+                 {&dst.state()}, a.dma_latency_cycles * 0.5);
+    (from_cube ? prod_->traffic().l0c_out : prod_->traffic().ub_out) += bytes;
+    prod_->traffic().ring += bytes;
+    cons_->traffic().ring += bytes;
+    (cons_->role() == Role::vector ? cons_->traffic().ub_in : cons_->traffic().l1_in) += bytes;
+    state_[std::size_t(k)] = 1;
+    ++pushed_;
+    return k;
+  }
+
+  // The oldest pushed, not yet popped slot (the consumer's view of it).
+  Tile<T> pop() {
+    if (popped_ >= pushed_)
+      throw Error("a2a3 Ring '" + name_ + "': pop from an empty ring (nothing pushed)");
+    const std::size_t k = std::size_t(popped_ % slots_.size());
+    state_[k] = 2;
+    ++popped_;
+    return slots_[k];
+  }
+  // Releases the oldest popped slot (the consumer's last read of it has been issued).
+  void release() {
+    const std::size_t k = std::size_t(released_ % slots_.size());
+    if (released_ >= popped_ || state_[k] != 2)
+      throw Error("a2a3 Ring '" + name_ + "': release without a popped slot");
+    state_[k] = 0;
+    ++released_;
+  }
+
+ private:
+  Core* prod_;
+  Core* cons_;
+  std::string name_;
+  std::vector<Tile<T>> slots_;
+  std::vector<std::unique_ptr<BufferState>> ws_;
+  std::vector<int> state_;  // 0 free, 1 full, 2 held by the consumer
+  std::int64_t pushed_ = 0, popped_ = 0, released_ = 0;
+};
+
+// The cores one block of a mixed launch runs on: 1 cube core + 2 vector cores.
+struct MixedBlock {
+  int index;  // block id in the grid
+  CubeCore& cube;
+  VectorCore& vec0;
+  VectorCore& vec1;
+  VectorCore& vec(int i) { return i == 0 ? vec0 : vec1; }
+};
+struct VectorBlock {
+  int index;
+  VectorCore& vec;
+};
+struct CubeBlock {
+  int index;
+  CubeCore& cube;
+};
+
+// Per-core peak occupancy (bytes) of one launch.
+struct CorePeak {
+  std::string core;
+  std::array<std::int64_t, kLocalSpaces> peak{};
+};
+
+// Predicted cost of one launch (scope).
+struct LaunchReport {
+  std::string name;
+  int blocks = 0;
+  double core_us = 0;        // slowest core
+  double hbm_bound_us = 0;   // GM bytes / HBM bandwidth
+  double latency_us = 0;     // max(core_us, hbm_bound_us) + launch overhead
+  std::string slowest_core;
+  std::array<double, kPipes> busy_slowest_us{};  // per-pipe busy time on the slowest core
+  std::array<double, kPipes> busy_max_us{};      // per-pipe max busy time over all cores
+  std::array<std::int64_t, kLocalSpaces> peak_max{};  // max over cores of peak occupancy
+  std::vector<CorePeak> peaks;                         // per used core
+  Traffic traffic;
+};
+
+// Predicted cost of a kernel: its launches in sequence.
+struct KernelReport {
+  std::string name;
+  std::vector<LaunchReport> launches;
+  double latency_us() const {
+    double s = 0;
+    for (const auto& l : launches) s += l.latency_us;
+    return s;
+  }
+  Traffic traffic() const {
+    Traffic t;
+    for (const auto& l : launches) t += l.traffic;
+    return t;
+  }
+  std::array<double, kPipes> busy_slowest_us() const {
+    std::array<double, kPipes> b{};
+    for (const auto& l : launches)
+      for (int p = 0; p < kPipes; ++p) b[std::size_t(p)] += l.busy_slowest_us[std::size_t(p)];
+    return b;
+  }
+};
+
+// One trace event (Chrome trace "X" event), microseconds from the start of the recording.
+struct TraceEvent {
+  std::string name;
+  std::string core;
+  std::string launch;
+  Pipe pipe;
+  double ts_us, dur_us;
+};
+
+// One launch on the recorded timeline (overhead included), microseconds.
+struct LaunchSpan {
+  std::string name;
+  double ts_us, dur_us;
+};
+
+// The chip: 24 cube + 48 vector cores, launches, reports and the trace.
+class Machine {
+ public:
+  explicit Machine(Executor* exec = nullptr, const ArchFacts& arch = kArch) : arch_(arch), exec_(exec) {
+    for (int i = 0; i < arch_.cube_cores; ++i) cubes_.push_back(std::make_unique<CubeCore>(i, arch_));
+    for (int i = 0; i < arch_.vector_cores(); ++i)
+      vecs_.push_back(std::make_unique<VectorCore>(i, arch_));
+  }
+
+  const ArchFacts& arch() const { return arch_; }
+  // Whether trace events are recorded (off by default: tests need not pay for them).
+  void set_tracing(bool on) { tracing_ = on; }
+  const std::vector<TraceEvent>& trace() const { return trace_; }
+  const std::vector<LaunchSpan>& launch_spans() const { return spans_; }
+  // Timing-only mode for the launches that follow (see Core::set_functional).
+  void set_functional(bool on) {
+    for (auto& c : cubes_) c->set_functional(on);
+    for (auto& v : vecs_) v->set_functional(on);
+  }
+
+  // Starts a kernel; launches until end_kernel() are its scopes.
+  void begin_kernel(std::string_view name) { current_ = KernelReport{std::string(name), {}}; }
+  KernelReport end_kernel() { return std::move(current_); }
+
+  // SPMD launch of `n_blocks` mixed blocks (1 AIC + 2 AIV each). Block u runs on cube core
+  // u % 24 and vector cores 2(u % 24), 2(u % 24) + 1; blocks beyond one wave queue on the same
+  // cores. fn(MixedBlock&) is the tile program of one block.
+  template <class F>
+  const LaunchReport& launch_mixed(std::string_view name, int n_blocks, F&& fn) {
+    const int lanes = arch_.cube_cores;
+    return launch(name, n_blocks, lanes, [&](int u) {
+      const int c = u % lanes;
+      MixedBlock blk{u, *cubes_[std::size_t(c)], *vecs_[std::size_t(2 * c)],
+                     *vecs_[std::size_t(2 * c + 1)]};
+      blk.cube.mark_used();
+      blk.vec0.mark_used();
+      blk.vec1.mark_used();
+      fn(blk);
+      blk.cube.end_block();
+      blk.vec0.end_block();
+      blk.vec1.end_block();
+    });
+  }
+  // SPMD launch of vector-only blocks: block u on vector core u % 48.
+  template <class F>
+  const LaunchReport& launch_vector(std::string_view name, int n_blocks, F&& fn) {
+    const int lanes = arch_.vector_cores();
+    return launch(name, n_blocks, lanes, [&](int u) {
+      VectorBlock blk{u, *vecs_[std::size_t(u % lanes)]};
+      blk.vec.mark_used();
+      fn(blk);
+      blk.vec.end_block();
+    });
+  }
+  // SPMD launch of cube-only blocks: block u on cube core u % 24.
+  template <class F>
+  const LaunchReport& launch_cube(std::string_view name, int n_blocks, F&& fn) {
+    const int lanes = arch_.cube_cores;
+    return launch(name, n_blocks, lanes, [&](int u) {
+      CubeBlock blk{u, *cubes_[std::size_t(u % lanes)]};
+      blk.cube.mark_used();
+      fn(blk);
+      blk.cube.end_block();
+    });
+  }
+
+ private:
+  template <class RunBlock>
+  const LaunchReport& launch(std::string_view name, int n_blocks, int lanes, RunBlock&& run) {
+    if (n_blocks < 1) throw_arg("a2a3 launch", "n_blocks", n_blocks, ">= 1");
+    for (auto& c : cubes_) c->begin_launch();
+    for (auto& v : vecs_) v->begin_launch();
+    // Lane l runs blocks l, l + lanes, ... in order; lanes are independent.
+    const int used_lanes = std::min(n_blocks, lanes);
+    auto lane = [&](std::size_t l) {
+      for (int u = int(l); u < n_blocks; u += lanes) run(u);
+    };
+    if (exec_)
+      exec_->run(std::size_t(used_lanes), FunctionRef(lane));
+    else
+      for (int l = 0; l < used_lanes; ++l) lane(std::size_t(l));
+    return finish(name, n_blocks);
+  }
+
+  const LaunchReport& finish(std::string_view name, int n_blocks) {
+    LaunchReport r;
+    r.name = std::string(name);
+    r.blocks = n_blocks;
+    double worst = -1;
+    const Core* slow = nullptr;
+    auto visit = [&](const Core& c) {
+      if (!c.used()) return;
+      r.traffic += c.traffic();
+      const double f = c.finish_cycles();
+      if (f > worst) {
+        worst = f;
+        slow = &c;
+      }
+      CorePeak cp{c.name(), {}};
+      for (int s = 1; s < kLocalSpaces; ++s) {
+        cp.peak[std::size_t(s)] = c.memory(Space(s)).peak();
+        r.peak_max[std::size_t(s)] = std::max(r.peak_max[std::size_t(s)], cp.peak[std::size_t(s)]);
+      }
+      r.peaks.push_back(cp);
+      for (int p = 0; p < kPipes; ++p)
+        r.busy_max_us[std::size_t(p)] =
+            std::max(r.busy_max_us[std::size_t(p)], arch_.cycles_to_us(c.busy(Pipe(p))));
+    };
+    for (auto& c : cubes_) visit(*c);
+    for (auto& v : vecs_) visit(*v);
+    r.core_us = arch_.cycles_to_us(std::max(worst, 0.0));
+    r.hbm_bound_us = double(r.traffic.gm_total()) / arch_.hbm_bytes_per_s * 1e6;
+    r.latency_us = std::max(r.core_us, r.hbm_bound_us) + arch_.launch_overhead_us;
+    if (slow) {
+      r.slowest_core = slow->name();
+      for (int p = 0; p < kPipes; ++p)
+        r.busy_slowest_us[std::size_t(p)] = arch_.cycles_to_us(slow->busy(Pipe(p)));
+    }
+    if (tracing_) {
+      // The launch overhead precedes the launch's first op on the timeline.
+      const double t0 = clock_us_ + arch_.launch_overhead_us;
+      auto record = [&](const Core& c) {
+        if (!c.used()) return;
+        for (const auto& op : c.ops())
+          trace_.push_back({std::string(op.name), c.name(), r.name, op.pipe,
+                            t0 + arch_.cycles_to_us(op.start),
+                            arch_.cycles_to_us(op.end - op.start)});
+      };
+      for (auto& c : cubes_) record(*c);
+      for (auto& v : vecs_) record(*v);
+      spans_.push_back({current_.name + "/" + r.name, clock_us_, r.latency_us});
+    }
+    clock_us_ += r.latency_us;
+    current_.launches.push_back(std::move(r));
+    return current_.launches.back();
+  }
+
+  ArchFacts arch_;
+  Executor* exec_;
+  std::vector<std::unique_ptr<CubeCore>> cubes_;
+  std::vector<std::unique_ptr<VectorCore>> vecs_;
+  KernelReport current_;
+  bool tracing_ = false;
+  double clock_us_ = 0;
+  std::vector<TraceEvent> trace_;
+  std::vector<LaunchSpan> spans_;
+};
+
+}  // namespace tiledecode::a2a3

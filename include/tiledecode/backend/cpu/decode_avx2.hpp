@@ -1,0 +1,192 @@
+#pragma once
+// AVX2 + FMA inner loops of the decode-step front-end (hyper-connections, RMSNorm, the q/kv
+// projections). Every function is TILEDECODE_TARGET_AVX2 and is reached only after the caller's
+// ISA choice (cpu::Context::isa), never by detecting the machine here.
+//
+// The projections at decode time are weight-bandwidth bound (T = 8 rows against megabytes of
+// weights), so both matmuls use the "axpy" order: each weight row k is read once and multiplied
+// into the accumulators of all T tokens, in blocks of 4 rows (BF16) or 4 row pairs (INT8) so an
+// accumulator is loaded and stored once per block rather than once per row. The sum over k stays
+// in ascending k for every output element, so the AVX2 and scalar paths give the same FP32 bits
+// for the BF16 matmul (BF16 × BF16 products are exact in FP32, FMA or not) and the same integers
+// for the INT8 one.
+
+#include <cstdint>
+
+#include "tiledecode/backend/cpu/isa.hpp"
+#include "tiledecode/backend/cpu/simd/avx2.hpp"
+#include "tiledecode/core/bf16.hpp"
+
+#if TILEDECODE_X86
+namespace tiledecode::cpu::avx2 {
+
+// dst[t, n] = Σ_k x[t, k] * w[k, n] for t < T and n in [n0, n1), k ascending; n1 - n0 must be a
+// multiple of 8. x holds BF16 values widened to FP32 (x_ld floats per row); w is BF16 with w_ld
+// elements per row; dst is FP32 with dst_ld per row and is overwritten.
+TILEDECODE_TARGET_AVX2 inline void matmul_bf16_axpy(float* dst, std::int64_t dst_ld,
+                                                    const float* x, std::int64_t x_ld, int T,
+                                                    const bf16* w, std::int64_t w_ld,
+                                                    std::int64_t K, std::int64_t n0,
+                                                    std::int64_t n1) {
+  for (int t = 0; t < T; ++t)
+    for (std::int64_t n = n0; n < n1; n += 8) _mm256_storeu_ps(dst + t * dst_ld + n, _mm256_setzero_ps());
+  std::int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    const bf16* w0 = w + k * w_ld;
+    for (std::int64_t n = n0; n < n1; n += 8) {
+      // (4 rows, 8 columns) of weights, widened once and reused by every token.
+      const __m256 a0 = load_bf16x8(w0 + n), a1 = load_bf16x8(w0 + w_ld + n);
+      const __m256 a2 = load_bf16x8(w0 + 2 * w_ld + n), a3 = load_bf16x8(w0 + 3 * w_ld + n);
+      for (int t = 0; t < T; ++t) {
+        const float* xt = x + t * x_ld + k;
+        float* d = dst + t * dst_ld + n;
+        __m256 acc = _mm256_loadu_ps(d);
+        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 0), a0, acc);
+        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 1), a1, acc);
+        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 2), a2, acc);
+        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 3), a3, acc);
+        _mm256_storeu_ps(d, acc);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    for (std::int64_t n = n0; n < n1; n += 8) {
+      const __m256 a0 = load_bf16x8(w + k * w_ld + n);
+      for (int t = 0; t < T; ++t) {
+        float* d = dst + t * dst_ld + n;
+        _mm256_storeu_ps(d, _mm256_fmadd_ps(_mm256_broadcast_ss(x + t * x_ld + k), a0,
+                                            _mm256_loadu_ps(d)));
+      }
+    }
+  }
+}
+
+// Rows r and r+1 (16 INT8 columns each, at p and p + ld) widened to int16 and interleaved into
+// (w[r][n], w[r+1][n]) pairs: lo = columns {0-3, 8-11}, hi = {4-7, 12-15} (per-lane unpack).
+TILEDECODE_TARGET_AVX2 inline void i8_row_pairs(const std::int8_t* p, std::int64_t ld, __m256i& lo,
+                                                __m256i& hi) {
+  const __m256i r0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i r1 =
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + ld)));
+  lo = _mm256_unpacklo_epi16(r0, r1);
+  hi = _mm256_unpackhi_epi16(r0, r1);
+}
+
+// acc[t, j] = Σ_k a[t, k] * w[k, n0 + j] exactly in INT32, for j < n1 - n0 (a multiple of 16) and
+// K even. `a_pairs[t, k/2]` packs the INT8 activations (a[t,k], a[t,k+1]) as two int16 in one
+// int32 (low half = k). Rows k and k+1 of w are widened to int16 and interleaved so that one
+// vpmaddwd multiplies 8 column pairs and adds each pair: |a·w| ≤ 127·127 per product, so a pair
+// sum ≤ 32258 and the INT32 sum over K ≤ 1024·16129 < 2^31 for every preset (exact; checked by
+// the caller against K). vpunpck works per 128-bit lane, so a 16-column chunk comes out as
+// columns {0-3, 8-11} and {4-7, 12-15}; the accumulators keep that order and `acc` is written
+// back in natural order at the end.
+TILEDECODE_TARGET_AVX2 inline void matmul_i8_axpy(std::int32_t* acc, std::int64_t acc_ld,
+                                                  const std::int32_t* a_pairs,
+                                                  std::int64_t a_ld, int T,
+                                                  const std::int8_t* w, std::int64_t w_ld,
+                                                  std::int64_t K, std::int64_t n0,
+                                                  std::int64_t n1) {
+  const std::int64_t width = n1 - n0;
+  // Permuted accumulators live in acc itself while the k loop runs.
+  for (int t = 0; t < T; ++t)
+    for (std::int64_t j = 0; j < width; j += 8)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + t * acc_ld + j), _mm256_setzero_si256());
+  std::int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    for (std::int64_t j = 0; j < width; j += 16) {
+      __m256i l0, h0, l1, h1, l2, h2, l3, h3;
+      i8_row_pairs(w + k * w_ld + n0 + j, w_ld, l0, h0);
+      i8_row_pairs(w + (k + 2) * w_ld + n0 + j, w_ld, l1, h1);
+      i8_row_pairs(w + (k + 4) * w_ld + n0 + j, w_ld, l2, h2);
+      i8_row_pairs(w + (k + 6) * w_ld + n0 + j, w_ld, l3, h3);
+      for (int t = 0; t < T; ++t) {
+        const std::int32_t* ap = a_pairs + t * a_ld + k / 2;
+        const __m256i b0 = _mm256_set1_epi32(ap[0]), b1 = _mm256_set1_epi32(ap[1]);
+        const __m256i b2 = _mm256_set1_epi32(ap[2]), b3 = _mm256_set1_epi32(ap[3]);
+        __m256i* d = reinterpret_cast<__m256i*>(acc + t * acc_ld + j);
+        __m256i x = _mm256_loadu_si256(d), y = _mm256_loadu_si256(d + 1);
+        x = _mm256_add_epi32(x, _mm256_add_epi32(_mm256_madd_epi16(l0, b0), _mm256_madd_epi16(l1, b1)));
+        x = _mm256_add_epi32(x, _mm256_add_epi32(_mm256_madd_epi16(l2, b2), _mm256_madd_epi16(l3, b3)));
+        y = _mm256_add_epi32(y, _mm256_add_epi32(_mm256_madd_epi16(h0, b0), _mm256_madd_epi16(h1, b1)));
+        y = _mm256_add_epi32(y, _mm256_add_epi32(_mm256_madd_epi16(h2, b2), _mm256_madd_epi16(h3, b3)));
+        _mm256_storeu_si256(d, x);
+        _mm256_storeu_si256(d + 1, y);
+      }
+    }
+  }
+  for (; k + 2 <= K; k += 2) {
+    for (std::int64_t j = 0; j < width; j += 16) {
+      __m256i l0, h0;
+      i8_row_pairs(w + k * w_ld + n0 + j, w_ld, l0, h0);
+      for (int t = 0; t < T; ++t) {
+        const __m256i b0 = _mm256_set1_epi32(a_pairs[t * a_ld + k / 2]);
+        __m256i* d = reinterpret_cast<__m256i*>(acc + t * acc_ld + j);
+        _mm256_storeu_si256(d, _mm256_add_epi32(_mm256_loadu_si256(d), _mm256_madd_epi16(l0, b0)));
+        _mm256_storeu_si256(d + 1, _mm256_add_epi32(_mm256_loadu_si256(d + 1), _mm256_madd_epi16(h0, b0)));
+      }
+    }
+  }
+  // Undo the in-lane interleave: x holds columns {0-3, 8-11}, y holds {4-7, 12-15}.
+  for (int t = 0; t < T; ++t) {
+    for (std::int64_t j = 0; j < width; j += 16) {
+      __m256i* d = reinterpret_cast<__m256i*>(acc + t * acc_ld + j);
+      const __m256i x = _mm256_loadu_si256(d), y = _mm256_loadu_si256(d + 1);
+      _mm256_storeu_si256(d, _mm256_permute2x128_si256(x, y, 0x20));
+      _mm256_storeu_si256(d + 1, _mm256_permute2x128_si256(x, y, 0x31));
+    }
+  }
+}
+
+// Σ_i a[i] * b[i] over n FP32 values, accumulated in double (4 + 4 lanes, fixed order, then a
+// fixed horizontal sum; scalar tail). FP32 × FP32 products are exact in double, so the result
+// differs from a sequential double sum only by double rounding (~1e-16 relative).
+TILEDECODE_TARGET_AVX2 inline double dot_f32_f64(const float* a, const float* b, std::int64_t n) {
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(a + i), y = _mm256_loadu_ps(b + i);
+    s0 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)),
+                         _mm256_cvtps_pd(_mm256_castps256_ps128(y)), s0);
+    s1 = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)),
+                         _mm256_cvtps_pd(_mm256_extractf128_ps(y, 1)), s1);
+  }
+  alignas(32) double l[4];
+  _mm256_store_pd(l, _mm256_add_pd(s0, s1));
+  double s = (l[0] + l[1]) + (l[2] + l[3]);
+  for (; i < n; ++i) s += double(a[i]) * double(b[i]);
+  return s;
+}
+
+// y[o, i] = a[i] * post[o] + Σ_s x[s, i] * comb[s, o] for 4 output streams (hc_post), FP32.
+// The sum runs a·post first, then s = 0..3, matching the scalar path.
+TILEDECODE_TARGET_AVX2 inline void hc_post_row(float* y, std::int64_t y_ld, const bf16* a,
+                                               const float* x, std::int64_t x_ld,
+                                               const float post[4], const float comb[16],
+                                               std::int64_t n) {
+  for (int o = 0; o < 4; ++o) {
+    const __m256 p = _mm256_set1_ps(post[o]);
+    const __m256 c0 = _mm256_set1_ps(comb[0 * 4 + o]), c1 = _mm256_set1_ps(comb[1 * 4 + o]);
+    const __m256 c2 = _mm256_set1_ps(comb[2 * 4 + o]), c3 = _mm256_set1_ps(comb[3 * 4 + o]);
+    float* yo = y + o * y_ld;
+    std::int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      __m256 s = _mm256_mul_ps(load_bf16x8(a + i), p);
+      s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_loadu_ps(x + i), c0));
+      s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_loadu_ps(x + x_ld + i), c1));
+      s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_loadu_ps(x + 2 * x_ld + i), c2));
+      s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_loadu_ps(x + 3 * x_ld + i), c3));
+      _mm256_storeu_ps(yo + i, s);
+    }
+    for (; i < n; ++i) {
+      float s = a[i].to_float() * post[o];
+      s += x[i] * comb[0 * 4 + o];
+      s += x[x_ld + i] * comb[1 * 4 + o];
+      s += x[2 * x_ld + i] * comb[2 * 4 + o];
+      s += x[3 * x_ld + i] * comb[3 * 4 + o];
+      yo[i] = s;
+    }
+  }
+}
+
+}  // namespace tiledecode::cpu::avx2
+#endif

@@ -1,0 +1,268 @@
+#pragma once
+// AVX2 + FMA micro-kernels of the lightning indexer (spec §7). Reached only through
+// kernels/indexer.hpp after the caller chose Isa::avx2; every function here has a scalar twin
+// in kernels/indexer.hpp that performs the same floating-point operations in the same order, so
+// the two paths produce bit-identical outputs.
+//
+// INT8 dot choice: both operands are widened to int16 and multiplied with vpmaddwd (16 MACs per
+// instruction, pairs summed into int32 lanes). This is exact for every int8 input, -128
+// included: |a*b| <= 128*128 = 2^14 and a pair sum <= 2^15 is representable in the int32 lane
+// (vpmaddwd only wraps for (-32768)*(-32768)*2, impossible with operands in [-128, 127]).
+// The sign trick (vpsignb + vpmaddubsw + vpmaddwd) is *not* exact when both operands of a pair
+// are -128 (|x| = 128 becomes the u8 operand and sign(-128, x) wraps back to -128), and it needs
+// the same two multiplier uops per 32 MACs as two vpmaddwd; the widening cost is amortised
+// (keys are widened once per 16-row block and reused by all 64 heads, queries once per task).
+//
+// INT32 bound (score): a head dot sums 128 products, |sum| <= 128 * 2^14 = 2^21 < 2^31.
+// INT32 bound (query GEMM): K = Q_LORA products, |sum| <= K * 2^14 <= 2^31 - 1 for K < 2^17;
+// the API requires Q_LORA <= 65536.
+
+#include <cstdint>
+#include <cstring>
+
+#include "tiledecode/backend/cpu/isa.hpp"
+#include "tiledecode/backend/cpu/simd/avx2.hpp"
+#include "tiledecode/core/bf16.hpp"
+
+#if TILEDECODE_X86
+namespace tiledecode::cpu::avx2 {
+
+// Transposes 8 rows of 8 int32 in place: r[i] lane j  ->  r[j] lane i.
+TILEDECODE_TARGET_AVX2 inline void transpose8x8_epi32(__m256i r[8]) {
+  const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+  const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+  const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+  const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+  const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+  const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+  r[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+  r[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+  r[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+  r[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+  r[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+  r[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+  r[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+  r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+// Packs 16 key rows of 128 INT8 (row stride `stride` bytes) for the row-lane score kernel.
+// kp[j*2 + g], j = 2c + e (c = 0..31 the 4-byte group of the row, e = 0/1), g = row group of 8:
+// int32 lane i holds the int16 pair (k[8g+i][4c+e], k[8g+i][4c+e+2]). The query side packs the
+// same pairing (kernels::detail::pack_query_pairs), so Σ_j madd(kp[j], q[j]) is the full dot.
+TILEDECODE_TARGET_AVX2 inline void pack_key_block16(__m256i* kp, const std::int8_t* rows,
+                                                    std::int64_t stride) {
+  for (int g = 0; g < 2; ++g) {
+    for (int part = 0; part < 4; ++part) {  // 32-byte quarter of the 128-byte row
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i) {
+        r[i] = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(rows + (g * 8 + i) * stride + part * 32));
+      }
+      transpose8x8_epi32(r);  // r[c'] = dword (part*8 + c') of the 8 rows
+      for (int c = 0; c < 8; ++c) {
+        const int j = (part * 8 + c) * 2;
+        // Sign-extend bytes 0,2 (even) and 1,3 (odd) of every dword into int16 pairs.
+        kp[j * 2 + g] = _mm256_srai_epi16(_mm256_slli_epi16(r[c], 8), 8);
+        kp[(j + 1) * 2 + g] = _mm256_srai_epi16(r[c], 8);
+      }
+    }
+  }
+}
+
+// s += c * max(float(a), 0) for both row groups (one head of the fused score epilogue).
+TILEDECODE_TARGET_AVX2 inline void score_head_epilogue(__m256& s0, __m256& s1, __m256i a0,
+                                                       __m256i a1, float c) {
+  const __m256 cv = _mm256_set1_ps(c), zero = _mm256_setzero_ps();
+  s0 = _mm256_fmadd_ps(cv, _mm256_max_ps(_mm256_cvtepi32_ps(a0), zero), s0);
+  s1 = _mm256_fmadd_ps(cv, _mm256_max_ps(_mm256_cvtepi32_ps(a1), zero), s1);
+}
+
+// Scores of 16 key rows for one token (spec §7.2), lanes = rows:
+//   out[r] = ksc[r] * Σ_h coef[h] * max(float(q[h] · k[r]), 0),  coef[h] = q_sc[h] * w[h],
+// head sum in ascending h with one FMA per head (the scalar twin does the same std::fma chain).
+// kp: pack_key_block16 output (128 vectors); qp: (n_heads, 64) packed query pairs;
+// n_heads % 4 == 0.
+TILEDECODE_TARGET_AVX2 inline void score_rows16(float* out, const __m256i* kp,
+                                                const std::int32_t* qp, const float* coef,
+                                                const float* ksc, int n_heads) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 s0 = zero, s1 = zero;
+  for (int h = 0; h < n_heads; h += 4) {
+    const std::int32_t* q = qp + h * 64;
+    // (2 row groups, 4 heads) INT32 accumulators: 8 registers, + 2 keys + 1 broadcast.
+    __m256i a00 = _mm256_setzero_si256(), a01 = a00, a02 = a00, a03 = a00;
+    __m256i a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    for (int j = 0; j < 64; ++j) {
+      const __m256i k0 = _mm256_load_si256(kp + 2 * j), k1 = _mm256_load_si256(kp + 2 * j + 1);
+      __m256i b = _mm256_set1_epi32(q[j]);
+      a00 = _mm256_add_epi32(a00, _mm256_madd_epi16(k0, b));
+      a10 = _mm256_add_epi32(a10, _mm256_madd_epi16(k1, b));
+      b = _mm256_set1_epi32(q[64 + j]);
+      a01 = _mm256_add_epi32(a01, _mm256_madd_epi16(k0, b));
+      a11 = _mm256_add_epi32(a11, _mm256_madd_epi16(k1, b));
+      b = _mm256_set1_epi32(q[128 + j]);
+      a02 = _mm256_add_epi32(a02, _mm256_madd_epi16(k0, b));
+      a12 = _mm256_add_epi32(a12, _mm256_madd_epi16(k1, b));
+      b = _mm256_set1_epi32(q[192 + j]);
+      a03 = _mm256_add_epi32(a03, _mm256_madd_epi16(k0, b));
+      a13 = _mm256_add_epi32(a13, _mm256_madd_epi16(k1, b));
+    }
+    // Epilogue while the dots are in registers: dequant·weight, ReLU, head sum.
+    score_head_epilogue(s0, s1, a00, a10, coef[h]);
+    score_head_epilogue(s0, s1, a01, a11, coef[h + 1]);
+    score_head_epilogue(s0, s1, a02, a12, coef[h + 2]);
+    score_head_epilogue(s0, s1, a03, a13, coef[h + 3]);
+  }
+  _mm256_storeu_ps(out, _mm256_mul_ps(s0, _mm256_loadu_ps(ksc)));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(s1, _mm256_loadu_ps(ksc + 8)));
+}
+
+// One 16-row key block for one token: pack (stack tile, 4 KB) then score. `rows` points at the
+// first of 16 consecutive pool rows (row stride `stride`), ksc at their 16 scales; out gets 16
+// scores (rows past the caller's visible range are computed from whatever the page holds and
+// must be discarded by the caller).
+TILEDECODE_TARGET_AVX2 inline void score_block16(float* out, const std::int8_t* rows,
+                                                 std::int64_t stride, const float* ksc,
+                                                 const std::int32_t* qp, const float* coef,
+                                                 int n_heads) {
+  alignas(32) __m256i kp[128];  // (64 pair columns, 2 row groups) int16 pairs
+  pack_key_block16(kp, rows, stride);
+  score_rows16(out, kp, qp, coef, ksc, n_heads);
+}
+
+// INT32 query GEMM tile: TT tokens × the 128 columns of one head.
+//   out (TT, 128) int32; a16 (TT, K) int16 (widened q-latent, row stride K);
+//   wpk: the head's 8 column blocks of 16, each (K/2, 32) int8 with bytes
+//        [c*2 + (k&1)] for column c of the block and k = 2*kp + (k&1).
+template <int TT>
+TILEDECODE_TARGET_AVX2 inline void query_head_tile(std::int32_t* out, const std::int16_t* a16,
+                                                   std::int64_t K, const std::int8_t* wpk) {
+  const std::int64_t KP = K / 2;
+  for (int nb = 0; nb < 8; ++nb) {
+    const std::int8_t* wp = wpk + nb * KP * 32;
+    __m256i acc[TT][2];
+    for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = _mm256_setzero_si256();
+    for (std::int64_t kp = 0; kp < KP; ++kp) {
+      const __m256i w0 =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + kp * 32)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + kp * 32 + 16)));
+      for (int tt = 0; tt < TT; ++tt) {
+        std::int32_t pair;
+        std::memcpy(&pair, a16 + tt * K + 2 * kp, sizeof pair);
+        const __m256i b = _mm256_set1_epi32(pair);
+        acc[tt][0] = _mm256_add_epi32(acc[tt][0], _mm256_madd_epi16(w0, b));
+        acc[tt][1] = _mm256_add_epi32(acc[tt][1], _mm256_madd_epi16(w1, b));
+      }
+    }
+    for (int tt = 0; tt < TT; ++tt) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + tt * 128 + nb * 16), acc[tt][0]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + tt * 128 + nb * 16 + 8), acc[tt][1]);
+    }
+  }
+}
+
+// Query epilogue, part 1, one token of one head: x = bf16(dequant + interleaved forward RoPE).
+//   x[d] = float(acc[d]) * qs * ws[d]; for d >= 64 (pairs e = x[2i], o = x[2i+1]):
+//   e' = fma(o, -sin, e*cos), o' = fma(e, sin, o*cos); then every x[d] rounded to BF16.
+// rc / rs: 64 entries, rc[2i] = rc[2i+1] = cos_i, rs[2i] = -sin_i, rs[2i+1] = sin_i.
+TILEDECODE_TARGET_AVX2 inline void query_dequant_rope(float* x, const std::int32_t* acc, float qs,
+                                                      const float* ws, const float* rc,
+                                                      const float* rs) {
+  const __m256 qv = _mm256_set1_ps(qs);
+  for (int d = 0; d < 128; d += 8) {
+    __m256 v = _mm256_mul_ps(
+        _mm256_mul_ps(
+            _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + d))), qv),
+        _mm256_loadu_ps(ws + d));
+    if (d >= 64) {
+      const __m256 sw = _mm256_permute_ps(v, 0xB1);  // (o, e) swapped within each pair
+      v = _mm256_fmadd_ps(sw, _mm256_loadu_ps(rs + d - 64),
+                          _mm256_mul_ps(v, _mm256_loadu_ps(rc + d - 64)));
+    }
+    const __m128i h = round_bf16x8(v);
+    _mm256_storeu_ps(x + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+}
+
+// Query epilogue, part 2: qh (TT, 128) = x (TT, 128) @ had (128, 128), FP32 FMA chain over i in
+// ascending order per output (the scalar twin's std::fma chain).
+template <int TT>
+TILEDECODE_TARGET_AVX2 inline void hadamard_tile(float* qh, const float* x, const float* had) {
+  for (int cb = 0; cb < 128; cb += 16) {
+    __m256 acc[TT][2];
+    for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = _mm256_setzero_ps();
+    for (int i = 0; i < 128; ++i) {
+      const __m256 h0 = _mm256_loadu_ps(had + i * 128 + cb),
+                   h1 = _mm256_loadu_ps(had + i * 128 + cb + 8);
+      for (int tt = 0; tt < TT; ++tt) {
+        const __m256 b = _mm256_set1_ps(x[tt * 128 + i]);
+        acc[tt][0] = _mm256_fmadd_ps(b, h0, acc[tt][0]);
+        acc[tt][1] = _mm256_fmadd_ps(b, h1, acc[tt][1]);
+      }
+    }
+    for (int tt = 0; tt < TT; ++tt) {
+      _mm256_storeu_ps(qh + tt * 128 + cb, acc[tt][0]);
+      _mm256_storeu_ps(qh + tt * 128 + cb + 8, acc[tt][1]);
+    }
+  }
+}
+
+// Q8 of one 128-wide row (spec §2), identical to core quantize_q8: amax ignores NaN like fmax,
+// round half to even (MXCSR default), clamp to [-127, 127]. Returns dq = 1 / (127 / amax).
+TILEDECODE_TARGET_AVX2 inline float quantize_q8_128(std::int8_t* q, const float* x) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  // max_ps returns its second operand when either is NaN: keep the running max second.
+  for (int d = 0; d < 128; d += 8)
+    m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + d), abs_mask), m);
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  float amax = _mm_cvtss_f32(m4);
+  amax = amax > 1e-4f ? amax : 1e-4f;
+  const float sq = 127.0f / amax;
+  const __m256 sv = _mm256_set1_ps(sq);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int d = 0; d < 128; d += 32) {
+    __m256i v[4];
+    for (int u = 0; u < 4; ++u) {
+      v[u] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + d + 8 * u), sv));
+      v[u] = _mm256_min_epi32(_mm256_max_epi32(v[u], lo), hi);
+    }
+    const __m256i p =
+        _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + d), _mm256_permutevar8x32_epi32(p, perm));
+  }
+  return 1.0f / sq;
+}
+
+// Head-weight tile: out (TT, 16) = Σ_d x[tt, d] * wp[d, 0..15] (FP32 FMA chain over ascending d),
+// then × scale. x rows have stride x_stride (BF16), wp rows stride wp_stride (BF16).
+template <int TT>
+TILEDECODE_TARGET_AVX2 inline void weights_tile(float* out, std::int64_t out_stride, const bf16* x,
+                                                std::int64_t x_stride, const bf16* wp,
+                                                std::int64_t wp_stride, std::int64_t D,
+                                                float scale) {
+  __m256 acc[TT][2];
+  for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = _mm256_setzero_ps();
+  for (std::int64_t d = 0; d < D; ++d) {
+    const __m256 w0 = load_bf16x8(wp + d * wp_stride), w1 = load_bf16x8(wp + d * wp_stride + 8);
+    for (int tt = 0; tt < TT; ++tt) {
+      const __m256 b = _mm256_set1_ps(x[tt * x_stride + d].to_float());
+      acc[tt][0] = _mm256_fmadd_ps(b, w0, acc[tt][0]);
+      acc[tt][1] = _mm256_fmadd_ps(b, w1, acc[tt][1]);
+    }
+  }
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int tt = 0; tt < TT; ++tt) {
+    _mm256_storeu_ps(out + tt * out_stride, _mm256_mul_ps(acc[tt][0], sv));
+    _mm256_storeu_ps(out + tt * out_stride + 8, _mm256_mul_ps(acc[tt][1], sv));
+  }
+}
+
+}  // namespace tiledecode::cpu::avx2
+#endif

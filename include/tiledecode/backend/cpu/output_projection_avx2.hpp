@@ -1,0 +1,98 @@
+#pragma once
+// AVX2 + FMA primitives of the grouped W8A8 output projection (kernels/output_projection.hpp).
+//   wo_a stage  o_r[t, r] += Σ_k o[t, k] · wo_a[r, k]   BF16 weights widened in registers,
+//               FP32 activations, reduction over k in 8-lane partial sums, one K chunk at a time
+//   wo_b stage  P[t, n] = Σ_r a[t, r] · wo_b[n, r]      exact INT8 dot (sign trick, simd/avx2.hpp)
+// Must only be called after the runtime AVX2 check (ctx.isa == Isa::avx2).
+
+#include <cstdint>
+
+#include "tiledecode/backend/cpu/isa.hpp"
+#include "tiledecode/backend/cpu/simd/avx2.hpp"
+#include "tiledecode/core/bf16.hpp"
+
+#if TILEDECODE_X86
+namespace tiledecode::cpu::avx2 {
+
+// out[t * ldout + r] += Σ_{k < kc} o[t * ldo + k] · float(w[r * ldw + k]) for t < NT, r < nr.
+// Each weight vector is widened once and used by all NT tokens (the activation chunk, NT × kc
+// floats, stays in L1 across the rows).
+template <int NT>
+TILEDECODE_TARGET_AVX2 inline void oproj_a_tile(float* out, std::int64_t ldout, const float* o,
+                                                std::int64_t ldo, const bf16* w, std::int64_t ldw,
+                                                int nr, int kc) {
+  for (int r = 0; r < nr; ++r) {
+    const bf16* wr = w + r * ldw;
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int k = 0; k < kc; k += 8) {
+      const __m256 wv = load_bf16x8(wr + k);
+      for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(o + t * ldo + k), wv, acc[t]);
+    }
+    for (int t = 0; t < NT; ++t) out[t * ldout + r] += hsum(acc[t]);
+  }
+}
+
+TILEDECODE_TARGET_AVX2 inline void oproj_a_chunk(float* out, std::int64_t ldout, const float* o,
+                                                 std::int64_t ldo, int nt, const bf16* w,
+                                                 std::int64_t ldw, int nr, int kc) {
+  int t = 0;
+  for (; t + 8 <= nt; t += 8) oproj_a_tile<8>(out + t * ldout, ldout, o + t * ldo, ldo, w, ldw, nr, kc);
+  float* ot = out + t * ldout;
+  const float* at = o + t * ldo;
+  switch (nt - t) {
+    case 7: oproj_a_tile<7>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
+    case 6: oproj_a_tile<6>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
+    case 5: oproj_a_tile<5>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
+    case 4: oproj_a_tile<4>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
+    case 3: oproj_a_tile<3>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
+    case 2: oproj_a_tile<2>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
+    case 1: oproj_a_tile<1>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
+    default: break;
+  }
+}
+
+// p[t * ldp + c] = Σ_{r < kr} a[t * lda + r] · w[c * ldw + r] (exact INT32) for t < NT, c < 2.
+// |w| (unsigned side of vpmaddubsw, computed once per weight vector; -128 reads as 128) times
+// sign(a, w) (|a| <= 127, Q8 activations): every pair sum is <= 2·128·127 = 32512 < 32767, exact.
+template <int NT>
+TILEDECODE_TARGET_AVX2 inline void oproj_b_tile(std::int32_t* p, std::int64_t ldp,
+                                                const std::int8_t* a, std::int64_t lda,
+                                                const std::int8_t* w, std::int64_t ldw, int kr) {
+  __m256i acc[NT][2];
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < kr; r += 32) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + ldw + r));
+    const __m256i aw0 = _mm256_sign_epi8(w0, w0), aw1 = _mm256_sign_epi8(w1, w1);
+    for (int t = 0; t < NT; ++t) {
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + t * lda + r));
+      const __m256i p0 = _mm256_maddubs_epi16(aw0, _mm256_sign_epi8(av, w0));
+      const __m256i p1 = _mm256_maddubs_epi16(aw1, _mm256_sign_epi8(av, w1));
+      acc[t][0] = _mm256_add_epi32(acc[t][0], _mm256_madd_epi16(p0, ones));
+      acc[t][1] = _mm256_add_epi32(acc[t][1], _mm256_madd_epi16(p1, ones));
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    p[t * ldp] = hsum_epi32(acc[t][0]);
+    p[t * ldp + 1] = hsum_epi32(acc[t][1]);
+  }
+}
+
+// Two weight rows (w, w + ldw) against nt activation rows.
+TILEDECODE_TARGET_AVX2 inline void oproj_b_pair(std::int32_t* p, std::int64_t ldp,
+                                                const std::int8_t* a, std::int64_t lda, int nt,
+                                                const std::int8_t* w, std::int64_t ldw, int kr) {
+  int t = 0;
+  for (; t + 4 <= nt; t += 4) oproj_b_tile<4>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr);
+  switch (nt - t) {
+    case 3: oproj_b_tile<3>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr); break;
+    case 2: oproj_b_tile<2>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr); break;
+    case 1: oproj_b_tile<1>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr); break;
+    default: break;
+  }
+}
+
+}  // namespace tiledecode::cpu::avx2
+#endif

@@ -1,0 +1,70 @@
+#pragma once
+// Golden RoPE (spec §5), written from the formulas in double precision, independent of
+// rope/rope.hpp's FP32 table construction:
+//   inv_freq[i] = base^(-2i/64); YaRN (CSA/HCA): low/high from the correction-dim formula,
+//   ramp = clamp((i-low)/(high-low), 0, 1), inv_freq ← inv_freq/factor*ramp + inv_freq*(1-ramp)
+//   angle = pos * inv_freq[i]; table value = cos/sin(angle) (exact, not rounded)
+// and the interleaved forward / inverse rotations of a 64-dim span in double with given table
+// values (the golden compressors and attention apply the library's BF16 table through these).
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <span>
+
+#include "tiledecode/core/bf16.hpp"
+#include "tiledecode/core/config.hpp"
+
+namespace tiledecode::golden {
+
+// YaRN correction range (low, high) of the frequency columns, in double.
+inline void rope_yarn_range(const ModelConfig& cfg, double& low, double& high) {
+  const double pi = 3.14159265358979323846;
+  const double d = cfg.rope_dim, base = cfg.compress_rope_theta, orig = cfg.yarn_orig_len;
+  low = std::floor(d * std::log(orig / (cfg.yarn_beta_fast * 2 * pi)) / (2 * std::log(base)));
+  high = std::ceil(d * std::log(orig / (cfg.yarn_beta_slow * 2 * pi)) / (2 * std::log(base)));
+  low = std::max(low, 0.0);
+  high = std::min(high, d - 1);
+}
+
+// inv_freq[i] in double for a layer kind (SWA: base rope_theta, no YaRN).
+inline double rope_inv_freq(const ModelConfig& cfg, LayerKind kind, int i) {
+  const bool yarn = kind != LayerKind::swa;
+  const double base = yarn ? cfg.compress_rope_theta : cfg.rope_theta;
+  const double f = std::pow(base, -2.0 * i / cfg.rope_dim);
+  if (!yarn) return f;
+  double low = 0, high = 0;
+  rope_yarn_range(cfg, low, high);
+  const double ramp = std::clamp((i - low) / (high == low ? 1e-3 : high - low), 0.0, 1.0);
+  return f / cfg.yarn_factor * ramp + f * (1 - ramp);
+}
+
+// Exact cos / sin of column i (0..63; columns 32..63 repeat 0..31) at a position.
+inline double rope_cos(const ModelConfig& cfg, LayerKind kind, long pos, int col) {
+  return std::cos(double(pos) * rope_inv_freq(cfg, kind, col % (cfg.rope_dim / 2)));
+}
+inline double rope_sin(const ModelConfig& cfg, LayerKind kind, long pos, int col) {
+  return std::sin(double(pos) * rope_inv_freq(cfg, kind, col % (cfg.rope_dim / 2)));
+}
+
+// Forward interleaved rotation in double: pair i = (x[2i], x[2i+1]), column i of the row.
+inline void rope_forward(std::span<double> x, const bf16* cos_row, const bf16* sin_row) {
+  for (std::size_t i = 0; i < x.size() / 2; ++i) {
+    const double c = cos_row[i].to_float(), s = sin_row[i].to_float();
+    const double e = x[2 * i], o = x[2 * i + 1];
+    x[2 * i] = e * c - o * s;
+    x[2 * i + 1] = e * s + o * c;
+  }
+}
+
+// Inverse (conjugate) interleaved rotation in double.
+inline void rope_inverse(std::span<double> x, const bf16* cos_row, const bf16* sin_row) {
+  for (std::size_t i = 0; i < x.size() / 2; ++i) {
+    const double c = cos_row[i].to_float(), s = sin_row[i].to_float();
+    const double e = x[2 * i], o = x[2 * i + 1];
+    x[2 * i] = e * c + o * s;
+    x[2 * i + 1] = o * c - e * s;
+  }
+}
+
+}  // namespace tiledecode::golden

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (clang, -fsanitize=fuzzer,address,undefined) and runs each one
+# for a bounded time, starting from its committed seed corpus (copied: the committed corpus is
+# never modified). Any crash, sanitizer report, timeout or OOM fails the script; the crashing
+# input is kept under $FUZZ_ARTIFACTS.
+#   FUZZ_SECONDS     seconds per target (default 30)
+#   FUZZ_BUILD_DIR   build folder (default build-fuzz)
+#   FUZZ_ARTIFACTS   where crash/timeout inputs go (default $FUZZ_BUILD_DIR/artifacts)
+#   FUZZ_TARGETS     space-separated subset, e.g. "metadata cache" (default: every fuzz_*.cpp)
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+install_missing_packages clang libclang-rt-14-dev llvm
+
+FUZZ_SECONDS="${FUZZ_SECONDS:-30}"
+FUZZ_BUILD_DIR="${FUZZ_BUILD_DIR:-$ROOT/build-fuzz}"
+FUZZ_ARTIFACTS="${FUZZ_ARTIFACTS:-$FUZZ_BUILD_DIR/artifacts}"
+if [ -z "${FUZZ_TARGETS:-}" ]; then
+  FUZZ_TARGETS="$(cd "$ROOT/tests/fuzz" && ls fuzz_*.cpp | sed 's/^fuzz_//; s/\.cpp$//' | tr '\n' ' ')"
+fi
+export ASAN_OPTIONS="${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:strict_string_checks=1}"
+export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+command -v llvm-symbolizer >/dev/null && export ASAN_SYMBOLIZER_PATH="$(command -v llvm-symbolizer)"
+
+echo "== fuzz: building targets: $FUZZ_TARGETS"
+t0=$SECONDS
+CC=clang CXX=clang++ cmake -S "$ROOT" -B "$FUZZ_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DTILEDECODE_BUILD_FUZZERS=ON -DTILEDECODE_BUILD_TESTS=OFF -DTILEDECODE_BUILD_BENCH=OFF \
+  -DTILEDECODE_BUILD_EXAMPLES=OFF >/dev/null
+targets=()
+for t in $FUZZ_TARGETS; do targets+=(--target "fuzz_$t"); done
+cmake --build "$FUZZ_BUILD_DIR" -j "$JOBS" "${targets[@]}"
+echo "== fuzz: build took $((SECONDS - t0)) s"
+
+mkdir -p "$FUZZ_ARTIFACTS"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+failed=()
+for t in $FUZZ_TARGETS; do
+  bin="$FUZZ_BUILD_DIR/tests/fuzz/fuzz_$t"
+  mkdir -p "$work/$t"
+  [ -d "$ROOT/tests/fuzz/corpus/$t" ] && cp "$ROOT/tests/fuzz/corpus/$t/"* "$work/$t/" 2>/dev/null || true
+  seeds=$(ls "$work/$t" | wc -l)
+  echo "== fuzz: fuzz_$t for ${FUZZ_SECONDS} s from $seeds seed inputs"
+  t1=$SECONDS
+  # -timeout: one input may take at most 10 s; -rss_limit_mb bounds memory on the CI runner.
+  if "$bin" "$work/$t" -max_total_time="$FUZZ_SECONDS" -timeout=10 -rss_limit_mb=2048 \
+       -print_final_stats=1 -artifact_prefix="$FUZZ_ARTIFACTS/${t}-" >"$work/$t.log" 2>&1; then
+    grep -E '^(#[0-9]+ +DONE|stat::number_of_executed_units|stat::average_exec_per_sec|stat::peak_rss_mb)' \
+      "$work/$t.log" | sed 's/^/   /'
+    echo "== fuzz: fuzz_$t PASSED ($((SECONDS - t1)) s, corpus now $(ls "$work/$t" | wc -l) inputs)"
+  else
+    tail -n 60 "$work/$t.log"
+    echo "== fuzz: fuzz_$t FAILED; reproducer(s): $(ls "$FUZZ_ARTIFACTS" | grep "^${t}-" | tr '\n' ' ')"
+    failed+=("$t")
+  fi
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "== fuzz: FAILED targets: ${failed[*]} (inputs in $FUZZ_ARTIFACTS)"
+  exit 1
+fi
+echo "== fuzz: all targets passed ($((SECONDS - t0)) s total)"

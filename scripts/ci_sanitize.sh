@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The sanitizer pass of CI.
+#  1. AddressSanitizer + UndefinedBehaviorSanitizer (clang, -DTILEDECODE_SANITIZE=ON) with
+#     TILEDECODE_CHECKED_VIEWS (every View::operator() bounds-checked): builds every test
+#     binary and runs each one once (one process per binary, all its cases). Lean mode:
+#     TILEDECODE_SANITIZE_LEAN=1 is exported so tests may shrink repeat counts, and cases whose
+#     name contains "Slow" or "Exhaustive" are filtered out.
+#  2. ThreadSanitizer (clang -fsanitize=thread): builds test_reliability and test_core (the
+#     thread pool, determinism and concurrent-call tests) and runs them.
+#   SAN_BUILD_DIR / TSAN_BUILD_DIR   build folders (default build-asan, build-tsan)
+#   SAN_GTEST_FILTER                 gtest filter for pass 1 (default "-*Slow*:*Exhaustive*")
+#   SAN_SKIP_TSAN=1                  skip pass 2
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+install_missing_packages clang libclang-rt-14-dev llvm
+
+SAN_BUILD_DIR="${SAN_BUILD_DIR:-$ROOT/build-asan}"
+TSAN_BUILD_DIR="${TSAN_BUILD_DIR:-$ROOT/build-tsan}"
+SAN_GTEST_FILTER="${SAN_GTEST_FILTER:--*Slow*:*Exhaustive*}"
+command -v llvm-symbolizer >/dev/null && export ASAN_SYMBOLIZER_PATH="$(command -v llvm-symbolizer)"
+export TILEDECODE_SANITIZE_LEAN=1
+
+test_targets() {
+  (cd "$ROOT/tests" && ls test_*.cpp | sed 's/\.cpp$//')
+}
+
+run_binaries() {
+  # run_binaries <label> <build dir> <gtest filter> <binary...>
+  local label="$1" dir="$2" filter="$3"; shift 3
+  local failed=() t1
+  for stem in "$@"; do
+    t1=$SECONDS
+    if (cd "$dir/tests" && GTEST_FILTER="$filter" timeout 900 "./$stem" --gtest_brief=1 \
+          >"$dir/$stem.log" 2>&1); then
+      echo "== $label: $stem PASSED ($((SECONDS - t1)) s, $(grep -Eo '[0-9]+ tests? from [0-9]+ test suites? ran' "$dir/$stem.log" | head -1))"
+    else
+      tail -n 80 "$dir/$stem.log"
+      echo "== $label: $stem FAILED ($((SECONDS - t1)) s)"
+      failed+=("$stem")
+    fi
+  done
+  if [ ${#failed[@]} -gt 0 ]; then
+    echo "== $label: FAILED: ${failed[*]}"
+    return 1
+  fi
+}
+
+# --- pass 1: ASan + UBSan --------------------------------------------------------------------
+t0=$SECONDS
+mapfile -t stems < <(test_targets)
+echo "== asan+ubsan: building ${stems[*]}"
+# -O1 keeps the instrumented kernels reasonably fast and the build short; -g1 gives line numbers.
+CC=clang CXX=clang++ cmake -S "$ROOT" -B "$SAN_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CXX_FLAGS_RELEASE="-O1 -g1" -DCMAKE_CXX_FLAGS="-DTILEDECODE_CHECKED_VIEWS" \
+  -DTILEDECODE_SANITIZE=ON -DTILEDECODE_BUILD_TESTS=ON -DTILEDECODE_BUILD_BENCH=OFF \
+  -DTILEDECODE_BUILD_EXAMPLES=OFF >/dev/null
+targets=()
+for s in "${stems[@]}"; do targets+=(--target "$s"); done
+cmake --build "$SAN_BUILD_DIR" -j "$JOBS" "${targets[@]}"
+echo "== asan+ubsan: build took $((SECONDS - t0)) s"
+export ASAN_OPTIONS="${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1}"
+export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+t1=$SECONDS
+run_binaries "asan+ubsan" "$SAN_BUILD_DIR" "$SAN_GTEST_FILTER" "${stems[@]}"
+echo "== asan+ubsan: all ${#stems[@]} test binaries passed (run $((SECONDS - t1)) s, total $((SECONDS - t0)) s)"
+unset ASAN_OPTIONS UBSAN_OPTIONS
+
+# --- pass 2: ThreadSanitizer -----------------------------------------------------------------
+if [ "${SAN_SKIP_TSAN:-0}" = 1 ]; then
+  echo "== tsan: skipped (SAN_SKIP_TSAN=1)"
+  exit 0
+fi
+t0=$SECONDS
+tsan_stems=()
+for s in test_core test_reliability; do
+  [ -f "$ROOT/tests/$s.cpp" ] && tsan_stems+=("$s")
+done
+echo "== tsan: building ${tsan_stems[*]}"
+CC=clang CXX=clang++ cmake -S "$ROOT" -B "$TSAN_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CXX_FLAGS_RELEASE="-O1 -g1" -DCMAKE_CXX_FLAGS="-fsanitize=thread" \
+  -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread" -DTILEDECODE_SANITIZE=OFF \
+  -DTILEDECODE_BUILD_TESTS=ON -DTILEDECODE_BUILD_BENCH=OFF -DTILEDECODE_BUILD_EXAMPLES=OFF >/dev/null
+targets=()
+for s in "${tsan_stems[@]}"; do targets+=(--target "$s"); done
+cmake --build "$TSAN_BUILD_DIR" -j "$JOBS" "${targets[@]}"
+echo "== tsan: build took $((SECONDS - t0)) s"
+export TSAN_OPTIONS="${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}"
+t1=$SECONDS
+run_binaries "tsan" "$TSAN_BUILD_DIR" "$SAN_GTEST_FILTER" "${tsan_stems[@]}"
+echo "== tsan: passed (run $((SECONDS - t1)) s, total $((SECONDS - t0)) s)"

@@ -1,0 +1,611 @@
+// Compressors (spec §6): kernels::compressor_step / indexer_compressor_step against the golden
+// twins, on the scalar and (where the CPU has it) AVX2 paths, with the §10.2 tolerances:
+//   kv_out and emitted cache rows ratio_allclose(1e-4, 1/128, 0%), state (1e-3, 1e-3, 0%),
+//   INT8 index cache atol 1 / rtol 0 with <= 1% mismatches, index scales (1e-4, 1/128, 1%).
+// Rows that must not be written are compared bit-exactly with their initial contents.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/compare.hpp"
+#include "common/random.hpp"
+#include "tiledecode/backend/cpu/context.hpp"
+#include "tiledecode/core/hadamard.hpp"
+#include "tiledecode/golden/compressor.hpp"
+#include "tiledecode/kernels/compressor.hpp"
+#include "tiledecode/paged/metadata.hpp"
+#include "tiledecode/rope/rope.hpp"
+
+namespace td = tiledecode;
+namespace tk = tiledecode::kernels;
+using td::bf16;
+using td::index_t;
+
+namespace {
+
+enum class Kind { csa, hca, inner };
+
+const td::ModelConfig& cfg() {
+  static const td::ModelConfig c = td::flash_config();
+  return c;
+}
+
+tk::CompressorSpec spec_of(Kind k) {
+  switch (k) {
+    case Kind::csa: return tk::csa_compressor_spec(cfg());
+    case Kind::hca: return tk::hca_compressor_spec(cfg());
+    case Kind::inner: return tk::indexer_compressor_spec(cfg());
+  }
+  return {};
+}
+
+// One RoPE table per profile, shared by every test (CSA and HCA layers use the YaRN profile).
+const td::RopeTable& rope_table() {
+  static const td::RopeTable t = td::make_rope_table(cfg(), td::LayerKind::csa, cfg().max_seq_len);
+  return t;
+}
+
+// Weights at the checkpoint statistics of spec §10.3 (HCA: the spec gives none; the CSA main
+// statistics are used). Built once per kind.
+struct Weights {
+  td::Tensor<bf16, 2> wkv, wgate;
+  td::Tensor<float, 2> ape;
+  td::Tensor<bf16, 1> norm_w;
+  tk::CompressorWeights view() const { return {wkv.view(), wgate.view(), ape.view(), norm_w.view()}; }
+};
+
+const Weights& weights(Kind k) {
+  static std::unique_ptr<Weights> cache[3];
+  auto& w = cache[int(k)];
+  if (w) return *w;
+  const auto sp = spec_of(k);
+  const index_t out = sp.out_dim(), d = cfg().hidden;
+  const bool inner = k == Kind::inner;
+  w = std::make_unique<Weights>();
+  tdtest::Rng rng(1000 + int(k));
+  w->wkv = td::Tensor<bf16, 2>({out, d});
+  w->wgate = td::Tensor<bf16, 2>({out, d});
+  w->ape = td::Tensor<float, 2>({sp.ratio, out});
+  w->norm_w = td::Tensor<bf16, 1>({sp.head_dim});
+  rng.fill_normal(w->wkv.flat(), inner ? 0.0293f : 0.0245f);
+  rng.fill_normal(w->wgate.flat(), inner ? 0.0512f : 0.0388f);
+  rng.fill_normal(w->ape.flat(), inner ? 0.1528f : 0.1243f);
+  for (auto& v : w->norm_w.flat()) v = bf16(inner ? 0.685f + 0.26f * rng.normal() : 0.9666f + 0.19f * rng.normal());
+  return *w;
+}
+
+struct Options {
+  Kind kind = Kind::csa;
+  std::vector<std::int32_t> starts = {8192, 0, 2, 3};
+  int seq = 2;
+  int commit = -1;
+  bool permuted = false;
+  bool random_hadamard = false;
+  std::uint64_t seed = 1;
+  // (request, logical state-table column) pairs to unmap (set to -1) before the slot mappings
+  // are built.
+  std::vector<std::pair<int, int>> unmap = {};
+};
+
+// The inputs of one step, built like the reference fixtures (spec §3, §10.3).
+struct Fixture {
+  Options opt;
+  tk::CompressorSpec spec;
+  td::paged::StepShape shape;
+  index_t state_page = 0, state_blocks = 0, cache_rows = 0;
+  td::Tensor<bf16, 2> x_n;
+  td::Tensor<std::int32_t, 1> positions;
+  td::Tensor<std::int32_t, 2> state_table, cmp_table;
+  td::Tensor<std::int64_t, 1> state_slots, cmp_slots;
+  td::Tensor<float, 2> state_pool;      // initial contents
+  td::Tensor<bf16, 2> cmp_pool;         // initial contents (main)
+  td::Tensor<std::int8_t, 2> idx_pool;  // initial contents (inner)
+  td::Tensor<float, 1> idx_scale;
+  td::Tensor<bf16, 2> hadamard;
+
+  tk::CompressorMetadata meta() const {
+    return {shape, positions.view(), state_slots.view(), cmp_slots.view(), state_table.view()};
+  }
+  int emitted() const {
+    int n = 0;
+    for (auto v : cmp_slots.flat()) n += v >= 0;
+    return n;
+  }
+};
+
+Fixture make_fixture(const Options& o) {
+  const auto& c = cfg();
+  Fixture f;
+  f.opt = o;
+  f.spec = spec_of(o.kind);
+  f.shape = {static_cast<int>(o.starts.size()), o.seq, o.commit};
+  const index_t B = f.shape.batch, T = f.shape.tokens();
+  const bool r4 = f.spec.ratio == 4;
+  f.state_page = r4 ? c.c4_state_page : c.c128_state_page;
+  f.state_blocks = r4 ? 65 : 64;  // spec §1.3: CSA main / inner 65, HCA 64
+  const index_t cols = c.max_seq_len / f.state_page;
+  tdtest::Rng rng(o.seed);
+
+  f.positions = td::Tensor<std::int32_t, 1>({T});
+  td::paged::build_position_ids(f.positions.view(), o.starts, f.shape, c);
+  f.state_table = td::Tensor<std::int32_t, 2>({B, cols});
+  td::paged::build_fixture_block_table(f.state_table.view(), f.state_blocks, o.permuted);
+  for (auto [b, col] : o.unmap) f.state_table.view()(b, col) = -1;
+  f.state_slots = td::Tensor<std::int64_t, 1>({T});
+  td::paged::build_state_slot_mapping(f.state_slots.view(), f.positions.view(),
+                                      f.state_table.view(), f.state_blocks, int(f.state_page),
+                                      f.shape, c);
+  const bool inner = o.kind == Kind::inner;
+  const index_t cmp_blocks = inner ? 64 : 32;  // IDX_KV_BLOCK_NUM / CMP_KV_BLOCK_NUM
+  f.cmp_table = td::Tensor<std::int32_t, 2>({B, cmp_blocks});
+  td::paged::build_fixture_block_table(f.cmp_table.view(), cmp_blocks, o.permuted);
+  f.cmp_slots = td::Tensor<std::int64_t, 1>({T});
+  td::paged::build_compressed_slot_mapping(f.cmp_slots.view(), f.positions.view(),
+                                           f.cmp_table.view(), cmp_blocks, f.spec.ratio, f.shape,
+                                           c);
+  f.cache_rows = cmp_blocks * c.page;
+
+  f.x_n = td::Tensor<bf16, 2>({T, index_t(c.hidden)});
+  rng.fill_normal(f.x_n.flat());
+
+  // States: ratio 4 starts as kv 0 / score -inf, HCA as zeros (spec §6.3 fixture note); then
+  // history rows before each request's start get 0.05·randn in both halves (the last 64
+  // positions for ratio 4; for HCA only the last 100, so a window can reach unwritten history).
+  const index_t sw = f.spec.state_width(), out = f.spec.out_dim();
+  f.state_pool = td::Tensor<float, 2>({f.state_blocks * f.state_page, sw});
+  auto sp = f.state_pool.view();
+  if (r4) {
+    for (index_t r = 0; r < sp.extent(0); ++r)
+      for (index_t i = out; i < sw; ++i) sp(r, i) = td::kNegBig;
+  }
+  const index_t hist = r4 ? 64 : 100;
+  for (index_t b = 0; b < B; ++b) {
+    for (index_t p = std::max<index_t>(0, o.starts[b] - hist); p < o.starts[b]; ++p) {
+      const auto slot = td::paged::paged_slot("fixture", "state_table", f.state_table.view(), b, p,
+                                              f.state_page, f.state_blocks);
+      if (slot < 0) continue;
+      for (index_t i = 0; i < sw; ++i) sp(slot, i) = 0.05f * rng.normal();
+    }
+  }
+  if (inner) {
+    f.idx_pool = td::Tensor<std::int8_t, 2>({f.cache_rows, 128});
+    rng.fill_int8(f.idx_pool.flat());
+    f.idx_scale = td::Tensor<float, 1>({f.cache_rows});
+    rng.fill_uniform(f.idx_scale.flat(), 1e-3f, 2e-2f);
+    if (o.random_hadamard) {
+      // The standalone tests' non-orthogonal stand-in: rand(128,128)/sqrt(128) (spec §6.4).
+      f.hadamard = td::Tensor<bf16, 2>({128, 128});
+      for (auto& v : f.hadamard.flat()) v = bf16(rng.uniform() / std::sqrt(128.0f));
+    } else {
+      f.hadamard = td::make_hadamard_bf16(128);
+    }
+  } else {
+    f.cmp_pool = td::Tensor<bf16, 2>({f.cache_rows, f.spec.head_dim});
+    rng.fill_normal(f.cmp_pool.flat());
+  }
+  return f;
+}
+
+// Outputs of one run (copies of the in/out pools).
+struct Outputs {
+  td::Tensor<float, 2> state;
+  td::Tensor<bf16, 2> cmp;
+  td::Tensor<std::int8_t, 2> idx;
+  td::Tensor<float, 1> scale;
+  td::Tensor<float, 2> kv_out;
+};
+
+Outputs fresh_outputs(const Fixture& f) {
+  Outputs o{f.state_pool, f.cmp_pool, f.idx_pool, f.idx_scale,
+            td::Tensor<float, 2>({index_t(f.shape.batch), index_t(f.spec.head_dim)})};
+  return o;
+}
+
+Outputs run_golden(const Fixture& f, tk::InnerRopePosition rule = tk::InnerRopePosition::window_start) {
+  Outputs o = fresh_outputs(f);
+  const auto& w = weights(f.opt.kind);
+  if (f.opt.kind == Kind::inner) {
+    td::golden::indexer_compressor_step(cfg(), o.state.view(), o.idx.view(), o.scale.view(),
+                                        o.kv_out.view(), f.x_n.view(), w.view(), f.hadamard.view(),
+                                        f.meta(), rope_table().view(), rule);
+  } else {
+    td::golden::compressor_step(cfg(), f.spec, o.state.view(), o.cmp.view(), o.kv_out.view(),
+                                f.x_n.view(), w.view(), f.meta(), rope_table().view());
+  }
+  return o;
+}
+
+Outputs run_kernel(const Fixture& f, td::cpu::Isa isa, int threads,
+                   tk::InnerRopePosition rule = tk::InnerRopePosition::window_start) {
+  Outputs o = fresh_outputs(f);
+  const auto& w = weights(f.opt.kind);
+  std::optional<td::ThreadPool> pool;
+  if (threads > 1) pool.emplace(threads);
+  const td::cpu::Context ctx{pool ? &*pool : nullptr, td::cpu::checked_isa(isa)};
+  td::Tensor<float, 1> ws({tk::compressor_workspace_size(cfg(), f.spec, f.shape.tokens())});
+  if (f.opt.kind == Kind::inner) {
+    tk::indexer_compressor_step(ctx, cfg(), o.state.view(), o.idx.view(), o.scale.view(),
+                                o.kv_out.view(), f.x_n.view(), w.view(), f.hadamard.view(),
+                                f.meta(), rope_table().view(), ws.view(), rule);
+  } else {
+    tk::compressor_step(ctx, cfg(), f.spec, o.state.view(), o.cmp.view(), o.kv_out.view(),
+                        f.x_n.view(), w.view(), f.meta(), rope_table().view(), ws.view());
+  }
+  return o;
+}
+
+std::vector<td::cpu::Isa> isas() {
+  std::vector<td::cpu::Isa> v{td::cpu::Isa::scalar};
+  if (td::cpu::cpu_has_avx2()) v.push_back(td::cpu::Isa::avx2);
+  return v;
+}
+
+template <class T>
+std::span<const T> row_span(const td::Tensor<T, 2>& t, index_t r) {
+  const index_t w = t.extent(1);
+  return std::span<const T>(t.data() + r * w, std::size_t(w));
+}
+
+std::vector<float> floats(std::span<const bf16> v) { return tdtest::to_floats(v); }
+std::vector<float> floats(std::span<const std::int8_t> v) { return {v.begin(), v.end()}; }
+
+// Compares a kernel run with the golden run and with the initial pools.
+void expect_matches(const Fixture& f, const Outputs& a, const Outputs& e, const std::string& what) {
+  SCOPED_TRACE(what);
+  EXPECT_TRUE(tdtest::ratio_allclose(a.state.flat(), e.state.flat(), 1e-3, 1e-3, 0.0)) << "state";
+  EXPECT_TRUE(tdtest::ratio_allclose(a.kv_out.flat(), e.kv_out.flat(), 1e-4, 1.0 / 128, 0.0))
+      << "kv_out";
+  std::set<index_t> written;
+  for (auto s : f.cmp_slots.flat())
+    if (s >= 0) written.insert(s);
+  if (f.opt.kind == Kind::inner) {
+    std::vector<float> qa, qe, sa, se;
+    for (index_t r : written) {
+      auto ra = floats(row_span(a.idx, r)), re = floats(row_span(e.idx, r));
+      qa.insert(qa.end(), ra.begin(), ra.end());
+      qe.insert(qe.end(), re.begin(), re.end());
+      sa.push_back(a.scale.data()[r]);
+      se.push_back(e.scale.data()[r]);
+    }
+    EXPECT_TRUE(tdtest::ratio_allclose(qa, qe, 1.0, 0.0, 0.01)) << "idx_kv_cache";
+    EXPECT_TRUE(tdtest::ratio_allclose(sa, se, 1e-4, 1.0 / 128, 0.01)) << "idx_kv_scale";
+    for (index_t r = 0; r < f.cache_rows; ++r) {
+      if (written.count(r)) continue;
+      ASSERT_EQ(std::memcmp(row_span(a.idx, r).data(), row_span(f.idx_pool, r).data(), 128), 0)
+          << "idx row " << r << " written without a slot";
+      ASSERT_EQ(a.scale.data()[r], f.idx_scale.data()[r]) << "scale row " << r;
+    }
+  } else {
+    std::vector<float> ca, ce;
+    for (index_t r : written) {
+      auto ra = floats(row_span(a.cmp, r)), re = floats(row_span(e.cmp, r));
+      ca.insert(ca.end(), ra.begin(), ra.end());
+      ce.insert(ce.end(), re.begin(), re.end());
+    }
+    EXPECT_TRUE(tdtest::ratio_allclose(ca, ce, 1e-4, 1.0 / 128, 0.0)) << "cmp_kv rows";
+    const std::size_t bytes = sizeof(bf16) * std::size_t(f.spec.head_dim);
+    for (index_t r = 0; r < f.cache_rows; ++r) {
+      if (written.count(r)) continue;
+      ASSERT_EQ(std::memcmp(row_span(a.cmp, r).data(), row_span(f.cmp_pool, r).data(), bytes), 0)
+          << "cmp row " << r << " written without a slot";
+    }
+  }
+}
+
+void expect_identical(const Outputs& a, const Outputs& b, const std::string& what) {
+  SCOPED_TRACE(what);
+  auto same = [](auto x, auto y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size_bytes()) == 0;
+  };
+  EXPECT_TRUE(same(a.state.flat(), b.state.flat())) << "state";
+  EXPECT_TRUE(same(a.cmp.flat(), b.cmp.flat())) << "cmp";
+  EXPECT_TRUE(same(a.idx.flat(), b.idx.flat())) << "idx";
+  EXPECT_TRUE(same(a.scale.flat(), b.scale.flat())) << "scale";
+  EXPECT_TRUE(same(a.kv_out.flat(), b.kv_out.flat())) << "kv_out";
+}
+
+// Golden once, then every ISA (2 threads) against it.
+void check_case(const Options& o, int expected_emitted) {
+  const Fixture f = make_fixture(o);
+  ASSERT_EQ(f.emitted(), expected_emitted) << "fixture does not exercise what the test claims";
+  const Outputs e = run_golden(f);
+  for (auto isa : isas()) expect_matches(f, run_kernel(f, isa, 2), e, std::string(td::cpu::to_string(isa)));
+}
+
+// --- CSA main compressor (ratio 4, overlapping) ----------------------------------------------
+
+TEST(CsaCompressor, CanonicalStarts) {
+  // 8192: no boundary; 0: none; 2: boundary on the 2nd token (c = 0); 3: on the 1st (c = 0).
+  check_case({.kind = Kind::csa, .starts = {8192, 0, 2, 3}}, 2);
+}
+
+TEST(CsaCompressor, Start8702PreviousWindowPresent) {
+  // 8702 % 4 = 2: boundary at pos 8703, c = 2175, the previous window's front halves pool in.
+  check_case({.kind = Kind::csa, .starts = {8702, 8702, 8702, 8702}, .seed = 2}, 4);
+}
+
+TEST(CsaCompressor, MixedStartsWithHistory) {
+  check_case({.kind = Kind::csa, .starts = {7, 127, 511, 255}, .seed = 3}, 4);
+}
+
+TEST(CsaCompressor, DraftBoundaryWithCommitOneWritesNothing) {
+  // Start 2 and 8702: boundary on the draft token s = 1, masked by commit_tokens = 1.
+  // Start 3: boundary on the committed token s = 0, still written.
+  const Options o{.kind = Kind::csa, .starts = {2, 8702, 3, 8192}, .commit = 1, .seed = 4};
+  const Fixture f = make_fixture(o);
+  ASSERT_EQ(f.emitted(), 1);
+  const Outputs e = run_golden(f);
+  for (auto isa : isas()) {
+    const Outputs a = run_kernel(f, isa, 2);
+    expect_matches(f, a, e, std::string(td::cpu::to_string(isa)));
+    // No kv_out for the masked requests (rows stay zero), and their states were still written.
+    for (index_t b : {0, 1, 3})
+      for (index_t i = 0; i < f.spec.head_dim; ++i) ASSERT_EQ(a.kv_out.view()(b, i), 0.0f);
+    EXPECT_NE(a.kv_out.view()(2, 0), 0.0f);
+    const index_t draft_slot = f.state_slots.view()(1);
+    ASSERT_GE(draft_slot, 0);
+    EXPECT_NE(std::memcmp(row_span(a.state, draft_slot).data(),
+                          row_span(f.state_pool, draft_slot).data(),
+                          sizeof(float) * f.spec.state_width()),
+              0);
+  }
+}
+
+TEST(CsaCompressor, UnmappedStatePages) {
+  // Boundary at pos 8703 (c = 2175: previous window = column 2174, current = column 2175).
+  // Request 0: previous window unmapped; 1: current window unmapped (its own state rows are not
+  // written and read as score -inf); 2: both (pools to 0); 3: all mapped.
+  const Options o{.kind = Kind::csa,
+                  .starts = {8702, 8702, 8702, 8702},
+                  .seed = 5,
+                  .unmap = {{0, 2174}, {1, 2175}, {2, 2174}, {2, 2175}}};
+  const Fixture f = make_fixture(o);
+  ASSERT_EQ(f.state_slots.view()(2), -1);
+  ASSERT_EQ(f.emitted(), 4);
+  const Outputs e = run_golden(f);
+  for (auto isa : isas()) {
+    const Outputs a = run_kernel(f, isa, 2);
+    expect_matches(f, a, e, std::string(td::cpu::to_string(isa)));
+    for (index_t i = 0; i < f.spec.head_dim; ++i) ASSERT_EQ(a.kv_out.view()(2, i), 0.0f);
+  }
+}
+
+TEST(CsaCompressor, LongerStepsAndSixteenRequests) {
+  // T = 32 (B = 16) and S = 5 (several boundaries per request where S >= R).
+  std::vector<std::int32_t> starts;
+  for (int b = 0; b < 16; ++b) starts.push_back(8192 + 37 * b);
+  check_case({.kind = Kind::csa, .starts = starts, .seed = 6}, 8);
+  check_case({.kind = Kind::csa, .starts = {3, 8190, 100}, .seq = 5, .seed = 7}, 4);
+}
+
+TEST(CsaCompressor, BitIdenticalForAnyThreadCount) {
+  const Fixture f = make_fixture({.kind = Kind::csa, .starts = {8702, 3, 2, 8191}, .seed = 8});
+  for (auto isa : isas()) {
+    const Outputs one = run_kernel(f, isa, 1);
+    expect_identical(one, run_kernel(f, isa, 2), "2 threads");
+    expect_identical(one, run_kernel(f, isa, 7), "7 threads");
+  }
+}
+
+// --- HCA compressor (ratio 128) ---------------------------------------------------------------
+
+TEST(HcaCompressor, CanonicalStartsPermutedTables) {
+  // 8192: none; 127: boundary at s = 0 (c = 0); 128: none; 255: s = 0 (c = 1).
+  check_case({.kind = Kind::hca, .starts = {8192, 127, 128, 255}, .permuted = true, .seed = 11}, 2);
+}
+
+TEST(HcaCompressor, CanonicalStartsPlainTables) {
+  check_case({.kind = Kind::hca, .starts = {8192, 127, 128, 255}, .seed = 12}, 2);
+}
+
+TEST(HcaCompressor, Start8702) {
+  // 8702 % 128 = 126: boundary at pos 8703 (c = 67) on the 2nd token.
+  check_case({.kind = Kind::hca, .starts = {8702, 8702, 8702, 8702}, .permuted = true, .seed = 13}, 4);
+}
+
+TEST(HcaCompressor, UnmappedStatePages) {
+  // Window of pos 8703 = positions 8576..8703 = state columns 1072..1087.
+  const Options o{.kind = Kind::hca,
+                  .starts = {8702, 8702, 8702, 8702},
+                  .seed = 14,
+                  .unmap = {{0, 1072}, {0, 1080}, {1, 1087}, {2, 1075}, {2, 1076}, {2, 1077}}};
+  check_case(o, 4);
+}
+
+TEST(HcaCompressor, DraftBoundaryWithCommitOneWritesNothing) {
+  const Options o{.kind = Kind::hca, .starts = {126, 8702, 254, 8192}, .commit = 1, .seed = 15};
+  const Fixture f = make_fixture(o);
+  ASSERT_EQ(f.emitted(), 0);
+  const Outputs e = run_golden(f);
+  for (auto isa : isas()) {
+    const Outputs a = run_kernel(f, isa, 2);
+    expect_matches(f, a, e, std::string(td::cpu::to_string(isa)));
+    for (float v : a.kv_out.flat()) ASSERT_EQ(v, 0.0f);
+  }
+}
+
+TEST(HcaCompressor, BitIdenticalForAnyThreadCount) {
+  const Fixture f = make_fixture({.kind = Kind::hca, .starts = {8702, 127, 255, 8192}, .seed = 16});
+  for (auto isa : isas()) {
+    const Outputs one = run_kernel(f, isa, 1);
+    expect_identical(one, run_kernel(f, isa, 2), "2 threads");
+    expect_identical(one, run_kernel(f, isa, 7), "7 threads");
+  }
+}
+
+// --- Indexer inner compressor (ratio 4, head dim 128, Hadamard + Q8) --------------------------
+
+TEST(IndexerCompressor, CanonicalStarts) {
+  check_case({.kind = Kind::inner, .starts = {8192, 0, 2, 3}, .seed = 21}, 2);
+}
+
+TEST(IndexerCompressor, Start8702) {
+  check_case({.kind = Kind::inner, .starts = {8702, 8702, 8702, 8702}, .seed = 22}, 4);
+}
+
+TEST(IndexerCompressor, RandomNonOrthogonalRotation) {
+  check_case({.kind = Kind::inner, .starts = {8702, 3, 2, 511}, .random_hadamard = true, .seed = 23}, 4);
+}
+
+TEST(IndexerCompressor, UnmappedStatePagesAndCommitMask) {
+  const Options o{.kind = Kind::inner,
+                  .starts = {8702, 8702, 2, 3},
+                  .commit = 1,
+                  .seed = 24,
+                  .unmap = {{0, 2174}, {1, 2175}}};
+  // 8702: boundary on the draft token (masked); 2: masked; 3: boundary at s = 0.
+  check_case(o, 1);
+}
+
+TEST(IndexerCompressor, RopePositionRule) {
+  // Start 3: the boundary closes row c = 0, so window_start rotates at 0, request_start at 3.
+  const Fixture f = make_fixture({.kind = Kind::inner, .starts = {3, 8702, 8190, 2}, .seed = 25});
+  ASSERT_EQ(f.emitted(), 4);
+  for (auto rule : {tk::InnerRopePosition::window_start, tk::InnerRopePosition::request_start}) {
+    const Outputs e = run_golden(f, rule);
+    for (auto isa : isas()) {
+      const Outputs a = run_kernel(f, isa, 2, rule);
+      expect_matches(f, a, e, std::string(td::cpu::to_string(isa)));
+    }
+  }
+  const Outputs ws = run_kernel(f, td::cpu::Isa::scalar, 1, tk::InnerRopePosition::window_start);
+  const Outputs rs = run_kernel(f, td::cpu::Isa::scalar, 1, tk::InnerRopePosition::request_start);
+  // Dims 0..63 are not rotated: identical under both rules; the rotary dims differ for request 0
+  // (rotation at 0 vs 3), request 1 (8700 vs 8702) and request 3 (0 vs 2)...
+  for (index_t b = 0; b < 4; ++b)
+    for (index_t i = 0; i < 64; ++i) ASSERT_EQ(ws.kv_out.view()(b, i), rs.kv_out.view()(b, i));
+  for (index_t b : {0, 1, 3}) {
+    bool differs = false;
+    for (index_t i = 64; i < 128; ++i) differs |= ws.kv_out.view()(b, i) != rs.kv_out.view()(b, i);
+    EXPECT_TRUE(differs) << "request " << b;
+  }
+  // ... and request 2 (start 8190, boundary 8191 = window 8188..8191) rotates at 8188 vs 8190.
+  // Window start of request 0 is 0: its rotary half equals the un-rotated normalised row, so
+  // rotating the request_start row back by 3 must give the window_start row.
+  std::vector<float> back(rs.kv_out.data() + 64, rs.kv_out.data() + 128);
+  td::rope_inverse(back, rope_table().view(), 3);
+  for (int i = 0; i < 64; ++i) EXPECT_NEAR(back[i], ws.kv_out.view()(0, 64 + i), 2e-2);
+}
+
+TEST(IndexerCompressor, BitIdenticalForAnyThreadCount) {
+  const Fixture f = make_fixture({.kind = Kind::inner, .starts = {8702, 3, 2, 8191}, .seed = 26});
+  for (auto isa : isas()) {
+    const Outputs one = run_kernel(f, isa, 1);
+    expect_identical(one, run_kernel(f, isa, 2), "2 threads");
+    expect_identical(one, run_kernel(f, isa, 7), "7 threads");
+  }
+}
+
+// --- Validation: every bad argument throws before anything is written --------------------------
+
+struct BadCall {
+  Fixture f;
+  Outputs o;
+  td::Tensor<float, 1> ws;
+  tk::CompressorSpec spec;
+  td::Tensor<bf16, 2> x_n;
+  BadCall(const Options& opt) : f(make_fixture(opt)), o(fresh_outputs(f)), spec(f.spec), x_n(f.x_n) {
+    ws = td::Tensor<float, 1>({tk::compressor_workspace_size(cfg(), f.spec, f.shape.tokens())});
+  }
+  void call(tk::CompressorMetadata meta, td::View<float, 2> kv_out, td::View<float, 1> w,
+            const td::RopeTableView& rope) {
+    const td::cpu::Context ctx{nullptr, td::cpu::Isa::scalar};
+    if (f.opt.kind == Kind::inner) {
+      tk::indexer_compressor_step(ctx, cfg(), o.state.view(), o.idx.view(), o.scale.view(), kv_out,
+                                  x_n.view(), weights(f.opt.kind).view(), f.hadamard.view(), meta,
+                                  rope, w);
+    } else {
+      tk::compressor_step(ctx, cfg(), spec, o.state.view(), o.cmp.view(), kv_out, x_n.view(),
+                          weights(f.opt.kind).view(), meta, rope, w);
+    }
+  }
+  void call() { call(f.meta(), o.kv_out.view(), ws.view(), rope_table().view()); }
+  // The call threw a tiledecode::Error naming `arg`, and nothing was written.
+  void expect_rejected(const std::string& arg, const std::function<void()>& fn) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error for " << arg;
+    } catch (const td::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(arg), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(std::memcmp(o.state.data(), f.state_pool.data(), o.state.size() * sizeof(float)), 0);
+    if (f.opt.kind == Kind::inner) {
+      EXPECT_EQ(std::memcmp(o.idx.data(), f.idx_pool.data(), o.idx.size()), 0);
+    } else {
+      EXPECT_EQ(std::memcmp(o.cmp.data(), f.cmp_pool.data(), o.cmp.size() * sizeof(bf16)), 0);
+    }
+    for (float v : o.kv_out.flat()) EXPECT_EQ(v, 0.0f);
+  }
+};
+
+TEST(CompressorValidation, StateSlotPastPool) {
+  BadCall c({.kind = Kind::csa, .starts = {8702, 3, 2, 0}});
+  c.f.state_slots.view()(7) = c.f.state_pool.extent(0);  // one past the last row
+  c.expect_rejected("state_slot_mapping[7]", [&] { c.call(); });
+  c.f.state_slots.view()(7) = -2;
+  c.expect_rejected("state_slot_mapping[7]", [&] { c.call(); });
+}
+
+TEST(CompressorValidation, StateTableIdPastPool) {
+  BadCall c({.kind = Kind::hca, .starts = {8702, 127, 128, 255}});
+  c.f.state_table.view()(1, 3) = 64;  // request 1's window 0..127 reads columns 0..15
+  c.expect_rejected("state_table[1,3]", [&] { c.call(); });
+}
+
+TEST(CompressorValidation, CmpSlotOffBoundaryOrPastCache) {
+  BadCall c({.kind = Kind::inner, .starts = {8702, 3, 2, 0}});
+  c.f.cmp_slots.view()(0) = 5;  // position 8702 closes no window
+  c.expect_rejected("cmp_slot_mapping[0]", [&] { c.call(); });
+  c.f.cmp_slots.view()(0) = -1;
+  c.f.cmp_slots.view()(1) = c.f.cache_rows;
+  c.expect_rejected("cmp_slot_mapping[1]", [&] { c.call(); });
+}
+
+TEST(CompressorValidation, ShapesWorkspaceRopeAndSpec) {
+  BadCall c({.kind = Kind::csa, .starts = {8702, 3, 2, 0}});
+  c.x_n = td::Tensor<bf16, 2>({9, index_t(cfg().hidden)});
+  c.expect_rejected("x_n.extent(0)", [&] { c.call(); });
+  c.x_n = c.f.x_n;
+  td::Tensor<float, 2> bad_kv({4, 511});
+  c.expect_rejected("kv_out.extent(1)",
+                    [&] { c.call(c.f.meta(), bad_kv.view(), c.ws.view(), rope_table().view()); });
+  c.expect_rejected("workspace.extent(0)", [&] {
+    c.call(c.f.meta(), c.o.kv_out.view(), c.ws.view().slice(0, 0, c.ws.extent(0) - 1),
+           rope_table().view());
+  });
+  // A table too short for the rotation position of the emitted rows (8700).
+  const td::RopeTableView shortr{rope_table().cos.view().slice(0, 0, 8000),
+                                 rope_table().sin.view().slice(0, 0, 8000)};
+  c.expect_rejected("rope position", [&] { c.call(c.f.meta(), c.o.kv_out.view(), c.ws.view(), shortr); });
+  c.f.positions.view()(3) = cfg().max_seq_len;
+  c.expect_rejected("positions[3]", [&] { c.call(); });
+  c.f.positions.view()(3) = 4;
+  c.spec.ratio = 8;
+  c.expect_rejected("spec.ratio", [&] { c.call(); });
+}
+
+TEST(CompressorSpecs, Geometry) {
+  const auto csa = tk::csa_compressor_spec(cfg());
+  const auto hca = tk::hca_compressor_spec(cfg());
+  const auto inner = tk::indexer_compressor_spec(cfg());
+  EXPECT_EQ(csa.out_dim(), 1024);
+  EXPECT_EQ(csa.state_width(), 2048);
+  EXPECT_EQ(csa.window(), 8);
+  EXPECT_EQ(hca.out_dim(), 512);
+  EXPECT_EQ(hca.state_width(), 1024);
+  EXPECT_EQ(hca.window(), 128);
+  EXPECT_EQ(inner.out_dim(), 256);
+  EXPECT_EQ(inner.state_width(), 512);
+  EXPECT_EQ(tk::compressor_state_page(cfg(), csa), 4);
+  EXPECT_EQ(tk::compressor_state_page(cfg(), hca), 8);
+}
+
+}  // namespace

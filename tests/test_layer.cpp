@@ -1,0 +1,356 @@
+// Decode-layer front-end primitives (hyper-connections, attention RMSNorm, q/kv projection) and
+// one whole SWA / CSA / HCA layer step against the golden layer (spec §4, §9.2, §10.2).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common/compare.hpp"
+#include "common/random.hpp"
+#include "tiledecode/golden/hyper_connection.hpp"
+#include "tiledecode/golden/qkv_projection.hpp"
+#include "tiledecode/golden/rmsnorm.hpp"
+#include "tiledecode/kernels/hyper_connection.hpp"
+#include "tiledecode/kernels/qkv_projection.hpp"
+#include "tiledecode/kernels/rmsnorm.hpp"
+#include "tiledecode/decode/step.hpp"
+#include "tiledecode/golden/decode_layer.hpp"
+#include "common/decode_fixture.hpp"
+
+namespace td = tiledecode;
+using td::bf16;
+using td::index_t;
+
+namespace {
+
+std::vector<td::cpu::Isa> isas() {
+  std::vector<td::cpu::Isa> v{td::cpu::Isa::scalar};
+  if (td::cpu::cpu_has_avx2()) v.push_back(td::cpu::Isa::avx2);
+  return v;
+}
+
+template <class T, std::size_t R>
+std::vector<float> floats(const td::Tensor<T, R>& t) {
+  std::vector<float> r(t.size());
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    if constexpr (std::is_same_v<T, bf16>) {
+      r[i] = t.data()[i].to_float();
+    } else {
+      r[i] = float(t.data()[i]);
+    }
+  }
+  return r;
+}
+
+struct HcFixture {
+  td::ModelConfig cfg = td::flash_config();
+  index_t T = 8;
+  td::Tensor<float, 3> x_hc{{T, 4, cfg.hidden}};
+  td::Tensor<float, 2> fn{{td::kHcMixes, 4 * cfg.hidden}};
+  td::Tensor<float, 1> scale{{3}}, base{{td::kHcMixes}};
+  explicit HcFixture(std::uint64_t seed) {
+    tdtest::Rng rng(seed);
+    rng.fill_normal(x_hc.flat(), 1.0f);
+    rng.fill_normal(fn.flat(), 1.0f / 128.0f);
+    scale.data()[0] = 0.5f;
+    scale.data()[1] = 0.7f;
+    scale.data()[2] = 1.3f;
+    rng.fill_normal(base.flat(), 0.5f);
+  }
+  td::HcWeights weights() const { return {fn.view(), scale.view(), base.view()}; }
+};
+
+TEST(HyperConnection, PreMatchesGoldenBothIsas) {
+  HcFixture f(11);
+  const index_t T = f.T, D = f.cfg.hidden;
+  td::Tensor<bf16, 2> xm_g({T, D});
+  td::Tensor<float, 2> post_g({T, 4});
+  td::Tensor<float, 3> comb_g({T, 4, 4});
+  td::golden::hc_pre(xm_g.view(), post_g.view(), comb_g.view(), f.x_hc.view(), f.weights(), f.cfg);
+  for (auto isa : isas()) {
+    td::ThreadPool pool(2);
+    td::cpu::Context ctx{&pool, isa};
+    td::Tensor<bf16, 2> xm({T, D});
+    td::Tensor<float, 2> post({T, 4});
+    td::Tensor<double, 2> mixes({T, td::kHcMixes});
+    td::Tensor<float, 3> comb({T, 4, 4});
+    td::kernels::hc_pre(ctx, xm.view(), post.view(), comb.view(), f.x_hc.view(), f.weights(),
+                        mixes.view(), f.cfg);
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(xm), floats(xm_g), 1e-4, 1.0 / 128, 0.0));
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(post), floats(post_g), 1e-5, 1e-4, 0.0));
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(comb), floats(comb_g), 1e-5, 1e-4, 0.0));
+  }
+}
+
+TEST(HyperConnection, SinkhornCombIsDoublyStochastic) {
+  HcFixture f(12);
+  const index_t T = f.T, D = f.cfg.hidden;
+  td::Tensor<bf16, 2> xm({T, D});
+  td::Tensor<float, 2> post({T, 4});
+    td::Tensor<double, 2> mixes({T, td::kHcMixes});
+  td::Tensor<float, 3> comb({T, 4, 4});
+  td::kernels::hc_pre(td::cpu::Context{}, xm.view(), post.view(), comb.view(), f.x_hc.view(),
+                      f.weights(), mixes.view(), f.cfg);
+  for (index_t t = 0; t < T; ++t) {
+    for (int k = 0; k < 4; ++k) {
+      float rs = 0, cs = 0;
+      for (int j = 0; j < 4; ++j) {
+        rs += comb.view()(t, k, j);
+        cs += comb.view()(t, j, k);
+        EXPECT_GT(comb.view()(t, k, j), 0.0f);
+      }
+      EXPECT_NEAR(cs, 1.0f, 1e-5f) << "column sum (last normalisation) t=" << t;
+      EXPECT_NEAR(rs, 1.0f, 1e-3f) << "row sum t=" << t;
+      EXPECT_GT(post.view()(t, k), 0.0f);
+      EXPECT_LT(post.view()(t, k), 2.0f);
+    }
+  }
+}
+
+TEST(HyperConnection, PostMatchesGoldenBothIsasAndIsThreadInvariant) {
+  HcFixture f(13);
+  const index_t T = f.T, D = f.cfg.hidden;
+  tdtest::Rng rng(14);
+  td::Tensor<bf16, 2> a({T, D});
+  rng.fill_normal(a.flat(), 1.0f);
+  td::Tensor<float, 2> post({T, 4});
+  td::Tensor<float, 3> comb({T, 4, 4});
+  rng.fill_uniform(post.flat(), 0.0f, 2.0f);
+  rng.fill_uniform(comb.flat(), 0.0f, 0.5f);
+  td::Tensor<float, 3> yg({T, 4, D});
+  td::golden::hc_post(yg.view(), a.view(), f.x_hc.view(), post.view(), comb.view(), f.cfg);
+  for (auto isa : isas()) {
+    td::Tensor<float, 3> y1({T, 4, D}), y2({T, 4, D});
+    td::kernels::hc_post(td::cpu::Context{nullptr, isa}, y1.view(), a.view(), f.x_hc.view(),
+                         post.view(), comb.view(), f.cfg);
+    td::ThreadPool pool(3);
+    td::kernels::hc_post(td::cpu::Context{&pool, isa}, y2.view(), a.view(), f.x_hc.view(),
+                         post.view(), comb.view(), f.cfg);
+    EXPECT_EQ(0, std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)));
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(y1), floats(yg), 1e-5, 1e-5, 0.0));
+  }
+}
+
+TEST(HyperConnection, RejectsBadShapesBeforeWriting) {
+  HcFixture f(15);
+  td::Tensor<bf16, 2> xm({f.T, f.cfg.hidden});
+  td::Tensor<float, 2> post({f.T, 4});
+  td::Tensor<double, 2> mixes({f.T, 23});
+  td::Tensor<float, 3> comb({f.T, 4, 4});
+  EXPECT_THROW(td::kernels::hc_pre(td::cpu::Context{}, xm.view(), post.view(), comb.view(),
+                                   f.x_hc.view(), f.weights(), mixes.view(), f.cfg),
+               td::Error);
+  td::Tensor<float, 3> y({f.T, 4, f.cfg.hidden});
+  EXPECT_THROW(td::kernels::hc_post(td::cpu::Context{}, y.view(), xm.view(), y.view(),
+                                    post.view(), comb.view(), f.cfg),
+               td::Error);
+}
+
+TEST(RmsNorm, MatchesGoldenBothIsas) {
+  const auto cfg = td::flash_config();
+  const index_t T = 8, D = cfg.hidden;
+  tdtest::Rng rng(21);
+  td::Tensor<bf16, 2> x({T, D});
+  td::Tensor<bf16, 1> w({D});
+  rng.fill_normal(x.flat(), 3.0f);
+  rng.fill_uniform(w.flat(), 0.5f, 1.5f);
+  td::Tensor<bf16, 2> g({T, D});
+  td::golden::rmsnorm(g.view(), x.view(), w.view(), cfg.rms_eps);
+  for (auto isa : isas()) {
+    td::Tensor<bf16, 2> y({T, D});
+    td::kernels::rmsnorm(td::cpu::Context{nullptr, isa}, y.view(), x.view(), w.view(), cfg.rms_eps);
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(y), floats(g), 1e-4, 1.0 / 128, 0.0));
+  }
+  td::Tensor<bf16, 1> bad({D - 1});
+  EXPECT_THROW(td::kernels::rmsnorm(td::cpu::Context{}, x.view(), x.view(), bad.view(), 1e-6f),
+               td::Error);
+}
+
+struct QkvFixture {
+  td::ModelConfig cfg;
+  index_t T;
+  td::Tensor<bf16, 2> x_n, wq_a, wkv;
+  td::Tensor<bf16, 1> gamma_cq, gamma_ckv;
+  td::Tensor<std::int8_t, 2> wq_b;
+  td::Tensor<float, 1> wq_b_scale;
+  td::Tensor<std::int32_t, 1> pos;
+  td::RopeTable rope;
+  QkvFixture(const td::ModelConfig& c, index_t t, std::uint64_t seed)
+      : cfg(c),
+        T(t),
+        x_n({T, c.hidden}),
+        wq_a({c.hidden, c.q_lora}),
+        wkv({c.hidden, c.head_dim}),
+        gamma_cq({c.q_lora}),
+        gamma_ckv({c.head_dim}),
+        wq_b({c.q_lora, index_t(c.n_heads) * c.head_dim}),
+        wq_b_scale({index_t(c.n_heads) * c.head_dim}),
+        pos({T}),
+        rope(td::make_rope_table(c, td::LayerKind::csa, c.max_seq_len)) {
+    tdtest::Rng rng(seed);
+    rng.fill_normal(x_n.flat(), 1.0f);
+    rng.fill_normal(wq_a.flat(), 1.0f / 64.0f);
+    rng.fill_normal(wkv.flat(), 1.0f / 64.0f);
+    rng.fill_uniform(gamma_cq.flat(), 0.5f, 1.5f);
+    rng.fill_uniform(gamma_ckv.flat(), 0.5f, 1.5f);
+    rng.fill_int8(wq_b.flat());
+    rng.fill_uniform(wq_b_scale.flat(), 1e-4f, 3e-4f);
+    const std::int32_t starts[4] = {8192, 0, 2, 3};
+    for (index_t i = 0; i < T; ++i) pos.data()[i] = starts[(i / 2) % 4] + std::int32_t(i % 2);
+  }
+  td::QkvWeights weights() const {
+    return {wq_a.view(), gamma_cq.view(), wq_b.view(), wq_b_scale.view(), wkv.view(),
+            gamma_ckv.view()};
+  }
+};
+
+struct QkvOut {
+  td::Tensor<bf16, 3> q;
+  td::Tensor<bf16, 2> kv;
+  td::Tensor<std::int8_t, 2> qr;
+  td::Tensor<float, 1> qr_scale;
+  QkvOut(const td::ModelConfig& c, index_t T)
+      : q({T, c.n_heads, c.head_dim}), kv({T, c.head_dim}), qr({T, c.q_lora}), qr_scale({T}) {}
+};
+
+void run_qkv(const QkvFixture& f, QkvOut& o, const td::cpu::Context& ctx) {
+  const auto& c = f.cfg;
+  td::Tensor<float, 2> x({f.T, c.hidden}), cq({f.T, c.q_lora}), kvf({f.T, c.head_dim});
+  td::Tensor<std::int32_t, 2> pairs({f.T, c.q_lora / 2});
+  td::kernels::qkv_projection(ctx, o.q.view(), o.kv.view(), o.qr.view(), o.qr_scale.view(),
+                              f.x_n.view(), f.weights(), f.rope.view(), f.pos.view(),
+                              {x.view(), cq.view(), kvf.view(), pairs.view()}, c);
+}
+
+void expect_qkv_close(const QkvOut& a, const QkvOut& g) {
+  EXPECT_TRUE(tdtest::ratio_allclose(floats(a.q), floats(g.q), 1e-4, 1.0 / 128, 0.0));
+  EXPECT_TRUE(tdtest::ratio_allclose(floats(a.kv), floats(g.kv), 1e-4, 1.0 / 128, 0.0));
+  EXPECT_TRUE(tdtest::ratio_allclose(floats(a.qr), floats(g.qr), 1.0, 0.0, 0.0));
+  EXPECT_TRUE(tdtest::ratio_allclose(floats(a.qr_scale), floats(g.qr_scale), 2.5e-5, 5e-3, 0.0));
+}
+
+TEST(QkvProjection, MatchesGoldenBothIsasFlash) {
+  QkvFixture f(td::flash_config(), 8, 31);
+  QkvOut g(f.cfg, f.T);
+  td::golden::qkv_projection(g.q.view(), g.kv.view(), g.qr.view(), g.qr_scale.view(), f.x_n.view(),
+                             f.weights(), f.rope.view(), f.pos.view(), f.cfg);
+  for (auto isa : isas()) {
+    SCOPED_TRACE(std::string(td::cpu::to_string(isa)));
+    QkvOut o(f.cfg, f.T);
+    td::ThreadPool pool(2);
+    run_qkv(f, o, td::cpu::Context{&pool, isa});
+    expect_qkv_close(o, g);
+  }
+}
+
+TEST(QkvProjection, ThreadInvariantAndOddTokenCount) {
+  // T = 11 exercises a partial chunk of 8 tokens.
+  QkvFixture f(td::flash_config(), 11, 32);
+  for (auto isa : isas()) {
+    QkvOut a(f.cfg, f.T), b(f.cfg, f.T);
+    run_qkv(f, a, td::cpu::Context{nullptr, isa});
+    td::ThreadPool pool(3);
+    run_qkv(f, b, td::cpu::Context{&pool, isa});
+    EXPECT_EQ(0, std::memcmp(a.q.data(), b.q.data(), a.q.size() * 2));
+    EXPECT_EQ(0, std::memcmp(a.kv.data(), b.kv.data(), a.kv.size() * 2));
+    EXPECT_EQ(0, std::memcmp(a.qr.data(), b.qr.data(), a.qr.size()));
+  }
+}
+
+TEST(QkvProjection, ProShapesMatchGolden) {
+  QkvFixture f(td::pro_config(), 4, 33);
+  QkvOut g(f.cfg, f.T), o(f.cfg, f.T);
+  td::golden::qkv_projection(g.q.view(), g.kv.view(), g.qr.view(), g.qr_scale.view(), f.x_n.view(),
+                             f.weights(), f.rope.view(), f.pos.view(), f.cfg);
+  run_qkv(f, o, td::cpu::make_context(nullptr));
+  expect_qkv_close(o, g);
+}
+
+TEST(QkvProjection, RejectsPositionOutsideTable) {
+  QkvFixture f(td::flash_config(), 2, 34);
+  f.pos.data()[1] = f.cfg.max_seq_len;
+  QkvOut o(f.cfg, f.T);
+  std::memset(static_cast<void*>(o.q.data()), 0x55, o.q.size() * 2);
+  EXPECT_THROW(run_qkv(f, o, td::cpu::Context{}), td::Error);
+  EXPECT_EQ(o.q.data()[0].bits, 0x5555) << "nothing written before the throw";
+}
+
+// ---------------------------------------------------------------------------------------------
+// One whole layer step against the golden layer (spec §10.2 tolerances), B = 4, S = 2, flash.
+
+struct LayerRun {
+  double max_rel = 0;
+};
+
+// Runs kernel and golden on copies of the same pools; compares x_out and every pool.
+void check_layer(td::LayerKind kind, std::array<std::int32_t, 4> starts, int commit,
+                 td::cpu::Isa isa, const td::decode::LayerOptions& opt = {}) {
+  const auto cfg = td::flash_config();
+  const int B = 4, S = 2;
+  td::ThreadPool pool(2);
+  const auto be = td::decode::Backend::cpu(&pool, isa);
+  td::paged::FixtureTables fx(B, cfg);
+  tdtest::LayerSetup L(cfg, kind, fx.pools, 2, 1234, be.cpu_ctx);
+  td::decode::LayerCacheStorage gold = L.caches;  // golden's own copy of the pools
+
+  const td::paged::StepShape sh{B, S, commit};
+  td::paged::StepMetadata md(B, S, cfg);
+  md.build(starts, sh, fx.tables(), fx.pools, cfg);
+  td::decode::Workspace ws(cfg, B, S, be.concurrency());
+  const index_t T = B * S;
+  td::Tensor<float, 3> x_hc({T, 4, cfg.hidden}), x_out({T, 4, cfg.hidden}), x_gold({T, 4, cfg.hidden});
+  td::decode::synthetic::fill_x_hc(be.cpu_ctx, x_hc.view(), 99, 0);
+
+  const auto w = L.weights.view();
+  td::decode::layer_step(be, x_out.view(), x_hc.view(), w, L.caches.view(), md, L.rope.view(), ws,
+                         cfg, opt);
+  td::golden::LayerTrace tr;
+  td::golden::decode_layer(x_gold.view(), x_hc.view(), w, gold.view(), starts, sh, fx.tables(),
+                           L.rope.view(), cfg, opt, &tr);
+  // Intermediates first (they explain an x_out failure).
+  auto v = ws.views(B, S);
+  EXPECT_TRUE(tdtest::ratio_allclose(tdtest::to_float_vec(td::ConstView<bf16, 3>(v.q)),
+                                     floats(tr.q), 1e-4, 1.0 / 128, 0.0)) << "q";
+  if (kind == td::LayerKind::csa) {
+    for (index_t t = 0; t < T; ++t) {
+      const auto score_row = [&](std::int32_t j) { return v.score(t, j); };
+      EXPECT_TRUE(tdtest::topk_pair_compare(
+          std::span<const std::int32_t>(&v.topk_idxs(t, 0), std::size_t(cfg.idx_topk)),
+          std::span<const std::int32_t>(&tr.topk_idxs.view()(t, 0), std::size_t(cfg.idx_topk)),
+          score_row)) << "topk_idxs row " << t;
+    }
+  }
+  EXPECT_TRUE(tdtest::ratio_allclose(tdtest::to_float_vec(td::ConstView<bf16, 2>(v.attn_out)),
+                                     floats(tr.attn_out), 1e-4, 1.0 / 128, 0.005)) << "attn_out";
+  EXPECT_TRUE(tdtest::x_out_close(x_out.view(), x_gold.view(), kind)) << "x_out";
+  tdtest::expect_caches_close(L.caches, gold, std::string(td::to_string(kind)).c_str());
+}
+
+TEST(LayerStep, SwaMatchesGoldenAtCanonicalStarts) {
+  check_layer(td::LayerKind::swa, {8192, 127, 31, 8192}, 1, td::cpu::detect_isa());
+}
+
+TEST(LayerStep, HcaMatchesGoldenAtCanonicalStarts) {
+  check_layer(td::LayerKind::hca, {8192, 127, 128, 255}, 1, td::cpu::detect_isa());
+}
+
+TEST(LayerStep, CsaMatchesGoldenAtCanonicalStarts) {
+  check_layer(td::LayerKind::csa, {8192, 0, 2, 3}, 1, td::cpu::detect_isa());
+}
+
+TEST(LayerStep, CsaAllCommittedWritesTheDraftBoundary) {
+  // commit_tokens = -1 (standalone semantics): start 2 closes row 0 on its second token.
+  check_layer(td::LayerKind::csa, {8192, 0, 2, 3}, -1, td::cpu::detect_isa());
+}
+
+TEST(LayerStep, CsaReferenceRopeQuirk) {
+  check_layer(td::LayerKind::csa, {8192, 0, 2, 3}, 1, td::cpu::detect_isa(),
+              {td::decode::IndexerRope::reference});
+}
+
+TEST(LayerStep, ScalarPathMatchesGoldenHca) {
+  check_layer(td::LayerKind::hca, {8192, 127, 128, 255}, 1, td::cpu::Isa::scalar);
+}
+
+}  // namespace

@@ -1,0 +1,180 @@
+// Grouped W8A8 output projection (spec §8.5): kernels::output_projection (scalar and AVX2)
+// against golden::output_projection. Tolerance: attn_out ratio_allclose(1e-4, 1/128, 0.5%)
+// (spec §10.2); the INT8 stage is also checked exactly through a crafted case.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "common/compare.hpp"
+#include "common/random.hpp"
+#include "tiledecode/backend/cpu/context.hpp"
+#include "tiledecode/golden/output_projection.hpp"
+#include "tiledecode/kernels/output_projection.hpp"
+
+namespace td = tiledecode;
+using td::bf16;
+using td::index_t;
+
+namespace {
+
+std::vector<td::cpu::Isa> isas() {
+  std::vector<td::cpu::Isa> v{td::cpu::Isa::scalar};
+  if (td::cpu::cpu_has_avx2()) v.push_back(td::cpu::Isa::avx2);
+  return v;
+}
+
+struct Weights {
+  td::ModelConfig cfg;
+  td::Tensor<bf16, 3> wo_a;
+  td::Tensor<std::int8_t, 2> wo_b;
+  td::Tensor<float, 1> scale;
+  Weights(const td::ModelConfig& c, std::uint64_t seed) : cfg(c) {
+    tdtest::Rng rng(seed);
+    wo_a = td::Tensor<bf16, 3>({cfg.o_groups, cfg.o_lora, cfg.o_group_in()});
+    wo_b = td::Tensor<std::int8_t, 2>({cfg.hidden, index_t(cfg.o_groups) * cfg.o_lora});
+    // Cheap deterministic fill (splitmix64): wo_a uniform in [-0.035, 0.035), wo_b the full int8
+    // range including -128 (allowed: see kernels/output_projection.hpp).
+    std::uint64_t x = seed;
+    auto next = [&x] {
+      std::uint64_t z = (x += 0x9e3779b97f4a7c15ull);
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+      return z ^ (z >> 31);
+    };
+    for (std::size_t i = 0; i < wo_a.size(); ++i)
+      wo_a.data()[i] = bf16(float(std::int32_t(next() >> 40) - (1 << 23)) * (0.035f / (1 << 23)));
+    for (std::size_t i = 0; i < wo_b.size(); i += 8) {
+      const std::uint64_t z = next();
+      for (std::size_t j = 0; j < 8 && i + j < wo_b.size(); ++j)
+        wo_b.data()[i + j] = std::int8_t(std::uint8_t(z >> (8 * j)));
+    }
+    scale = td::Tensor<float, 1>({cfg.hidden});
+    for (index_t n = 0; n < cfg.hidden; ++n) scale.view()(n) = 1e-3f * (0.5f + rng.uniform());
+  }
+};
+
+td::Tensor<bf16, 2> random_o(const td::ModelConfig& cfg, index_t T, std::uint64_t seed) {
+  tdtest::Rng rng(seed);
+  td::Tensor<bf16, 2> o({index_t(cfg.o_groups) * T, cfg.o_group_in()});
+  rng.fill_normal(std::span<bf16>(o.data(), o.size()), 0.05f);
+  return o;
+}
+
+td::Tensor<bf16, 2> run_kernel(const Weights& w, const td::Tensor<bf16, 2>& o, index_t T,
+                               td::cpu::Isa isa, td::Executor* exec = nullptr) {
+  td::Tensor<bf16, 2> out({T, w.cfg.hidden});
+  std::vector<std::byte> ws(td::kernels::output_projection_workspace_bytes(w.cfg, T));
+  td::kernels::output_projection(td::cpu::Context{exec, td::cpu::checked_isa(isa)}, w.cfg,
+                                 out.view(), o.view(), w.wo_a.view(), w.wo_b.view(),
+                                 w.scale.view(), ws);
+  return out;
+}
+
+td::Tensor<bf16, 2> run_golden(const Weights& w, const td::Tensor<bf16, 2>& o, index_t T) {
+  td::Tensor<bf16, 2> out({T, w.cfg.hidden});
+  td::golden::output_projection(w.cfg, out.view(), o.view(), w.wo_a.view(), w.wo_b.view(),
+                                w.scale.view());
+  return out;
+}
+
+std::vector<float> floats(const td::Tensor<bf16, 2>& t) {
+  return tdtest::to_floats(std::span<const bf16>(t.data(), t.size()));
+}
+
+const Weights& flash_weights() {
+  static const Weights w(td::flash_config(), 1);
+  return w;
+}
+
+TEST(Oproj, FlashT8MatchesGolden) {
+  const auto& w = flash_weights();
+  const auto o = random_o(w.cfg, 8, 2);
+  const auto g = run_golden(w, o, 8);
+  for (auto isa : isas()) {
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(run_kernel(w, o, 8, isa)), floats(g), 1e-4,
+                                       1.0 / 128, 0.005))
+        << td::cpu::to_string(isa);
+  }
+}
+
+TEST(Oproj, OddTokenCountsAndThreadsBitIdentical) {
+  const auto& w = flash_weights();
+  for (index_t T : {1, 13}) {
+    const auto o = random_o(w.cfg, T, 3 + T);
+    for (auto isa : isas()) {
+      const auto ref = run_kernel(w, o, T, isa);
+      for (std::size_t n : {2, 7}) {
+        td::ThreadPool pool(n);
+        const auto x = run_kernel(w, o, T, isa, &pool);
+        EXPECT_EQ(0, std::memcmp(ref.data(), x.data(), x.size() * sizeof(bf16)))
+            << "T=" << T << " threads=" << n << " " << td::cpu::to_string(isa);
+      }
+    }
+  }
+  const auto o = random_o(w.cfg, 3, 6);
+  const auto g = run_golden(w, o, 3);
+  for (auto isa : isas())
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(run_kernel(w, o, 3, isa)), floats(g), 1e-4,
+                                       1.0 / 128, 0.005));
+}
+
+// Exact integer path: o_packed chosen so o_r is exactly representable and Q8 is exact, then
+// attn_out is a known integer combination.
+TEST(Oproj, IntegerStageIsExact) {
+  td::ModelConfig cfg = td::flash_config();
+  Weights w(cfg, 4);
+  // wo_a[g] = I on the first 1024 inputs (rows r ← input r), zero elsewhere.
+  std::memset(static_cast<void*>(w.wo_a.data()), 0, w.wo_a.size() * sizeof(bf16));
+  for (index_t g = 0; g < cfg.o_groups; ++g)
+    for (index_t r = 0; r < cfg.o_lora; ++r) w.wo_a.view()(g, r, r) = bf16(1.0f);
+  const index_t T = 2;
+  td::Tensor<bf16, 2> o({index_t(cfg.o_groups) * T, cfg.o_group_in()});
+  // o_r values are integers in [-127, 127] with amax exactly 127 → Q8 is the identity, dq = 1.
+  for (index_t row = 0; row < o.extent(0); ++row)
+    for (index_t r = 0; r < cfg.o_lora; ++r)
+      o.view()(row, r) = bf16(float((r * 37 + row * 11) % 255 - 127));
+  for (index_t n = 0; n < cfg.hidden; ++n) w.scale.view()(n) = 1.0f / 1024.0f;
+  for (auto isa : isas()) {
+    const auto out = run_kernel(w, o, T, isa);
+    for (index_t t = 0; t < T; ++t)
+      for (index_t n = 0; n < cfg.hidden; n += 97) {
+        std::int64_t acc = 0;
+        for (index_t g = 0; g < cfg.o_groups; ++g)
+          for (index_t r = 0; r < cfg.o_lora; ++r)
+            acc += std::int64_t(o.view()(g * T + t, r).to_float()) * w.wo_b.view()(n, g * cfg.o_lora + r);
+        ASSERT_EQ(out.view()(t, n).bits, bf16(float(double(acc) / 1024.0)).bits)
+            << "t=" << t << " n=" << n << " " << td::cpu::to_string(isa);
+      }
+  }
+}
+
+TEST(Oproj, ProPresetT1) {
+  const Weights w(td::pro_config(), 5);
+  const auto o = random_o(w.cfg, 1, 7);
+  const auto g = run_golden(w, o, 1);
+  for (auto isa : isas())
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(run_kernel(w, o, 1, isa)), floats(g), 1e-4,
+                                       1.0 / 128, 0.005))
+        << td::cpu::to_string(isa);
+}
+
+TEST(Oproj, RejectsBadShapesAndSmallWorkspace) {
+  const auto& w = flash_weights();
+  const auto o = random_o(w.cfg, 2, 8);
+  td::Tensor<bf16, 2> out({2, w.cfg.hidden});
+  std::vector<std::byte> small(100);
+  EXPECT_THROW(td::kernels::output_projection(td::cpu::Context{}, w.cfg, out.view(), o.view(),
+                                              w.wo_a.view(), w.wo_b.view(), w.scale.view(), small),
+               td::Error);
+  std::vector<std::byte> ws(td::kernels::output_projection_workspace_bytes(w.cfg, 3));
+  td::Tensor<bf16, 2> out3({3, w.cfg.hidden});
+  EXPECT_THROW(td::kernels::output_projection(td::cpu::Context{}, w.cfg, out3.view(), o.view(),
+                                              w.wo_a.view(), w.wo_b.view(), w.scale.view(), ws),
+               td::Error);
+}
+
+}  // namespace
