@@ -6,15 +6,21 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "common/compare.hpp"
 #include "common/random.hpp"
+#include "tiledecode/backend/a2a3/compressor.hpp"
 #include "tiledecode/backend/a2a3/indexer.hpp"
+#include "tiledecode/backend/a2a3/layer.hpp"
 #include "tiledecode/backend/a2a3/machine.hpp"
 #include "tiledecode/backend/a2a3/memory.hpp"
 #include "tiledecode/backend/a2a3/sparse_attention.hpp"
+#include "tiledecode/backend/a2a3/trace.hpp"
 #include "tiledecode/core/hadamard.hpp"
+#include "tiledecode/golden/compressor.hpp"
 #include "tiledecode/golden/indexer.hpp"
 #include "tiledecode/golden/output_projection.hpp"
 #include "tiledecode/golden/sparse_attention.hpp"
@@ -72,9 +78,9 @@ struct IndexerFixture {
   }
 
   a2::IndexerInputs inputs() const {
-    return {x_n.view(), qr.view(), qr_scale.view(), wq_b.view(), wq_b_scale.view(),
-            weights_proj.view(), hadamard.view(), rope.view(), pos.view(), lens.view(),
-            idx_kv.view(), idx_scale.view(), idx_table.view(), sh.seq, 0};
+    return {x_n.view(),          qr.view(),        qr_scale.view(),  wq_b.view(), wq_b_scale.view(),
+            weights_proj.view(), hadamard.view(),  rope.view(),      pos.view(),  lens.view(),
+            idx_kv.view(),       idx_scale.view(), idx_table.view(), sh.seq,      0};
   }
   a2::IndexerOutputs outputs() { return {score.view(), topk.view()}; }
 };
@@ -87,19 +93,22 @@ struct IndexerRef {
 };
 IndexerRef indexer_reference(const IndexerFixture& f) {
   const int T = f.T, L = 4096;
-  IndexerRef r{std::vector<float>(std::size_t(T) * L), std::vector<std::int32_t>(std::size_t(T) * L, -1)};
+  IndexerRef r{std::vector<float>(std::size_t(T) * L),
+               std::vector<std::int32_t>(std::size_t(T) * L, -1)};
   td::Tensor<std::int8_t, 3> q_i8({T, 64, 128});
   td::Tensor<float, 2> q_sc({T, 64}), w({T, 64});
   td::Tensor<std::int32_t, 1> rope_pos({T});
   for (int t = 0; t < T; ++t) rope_pos.view()(t) = f.starts[std::size_t(t / 2)];
-  td::golden::indexer_query(f.cfg, q_i8.view(), q_sc.view(), f.qr.view(), f.qr_scale.view(), f.wq_b.view(),
-                            f.wq_b_scale.view(), rope_pos.view(), f.rope.view(), f.hadamard.view());
+  td::golden::indexer_query(f.cfg, q_i8.view(), q_sc.view(), f.qr.view(), f.qr_scale.view(),
+                            f.wq_b.view(), f.wq_b_scale.view(), rope_pos.view(), f.rope.view(),
+                            f.hadamard.view());
   td::golden::indexer_weights(f.cfg, w.view(), f.x_n.view(), f.weights_proj.view());
-  td::golden::indexer_score(f.cfg, td::View<float, 2>(r.score.data(), {T, L}), q_i8.view(), q_sc.view(), w.view(),
-                            f.idx_kv.view(), f.idx_scale.view(), f.idx_table.view(), f.pos.view(), f.lens.view(), 2);
+  td::golden::indexer_score(f.cfg, td::View<float, 2>(r.score.data(), {T, L}), q_i8.view(),
+                            q_sc.view(), w.view(), f.idx_kv.view(), f.idx_scale.view(),
+                            f.idx_table.view(), f.pos.view(), f.lens.view(), 2);
   td::golden::indexer_topk(f.cfg, td::View<std::int32_t, 2>(r.topk.data(), {T, L}),
-                           td::ConstView<float, 2>(r.score.data(), {T, L}), f.pos.view(), f.lens.view(), 2,
-                           f.cfg.idx_topk, 0);
+                           td::ConstView<float, 2>(r.score.data(), {T, L}), f.pos.view(),
+                           f.lens.view(), 2, f.cfg.idx_topk, 0);
   return r;
 }
 
@@ -111,7 +120,8 @@ int ref_vis(const IndexerRef& ref, int t) {
 std::vector<std::int32_t> own_topk(std::span<const float> s, int vis) {
   std::vector<std::int32_t> ids(static_cast<std::size_t>(vis));
   for (int j = 0; j < vis; ++j) ids[std::size_t(j)] = j;
-  std::stable_sort(ids.begin(), ids.end(), [&](int a, int c) { return s[std::size_t(a)] > s[std::size_t(c)]; });
+  std::stable_sort(ids.begin(), ids.end(),
+                   [&](int a, int c) { return s[std::size_t(a)] > s[std::size_t(c)]; });
   ids.resize(512, -1);
   return ids;
 }
@@ -124,8 +134,9 @@ testing::AssertionResult topk_near_tie_compare(std::span<const std::int32_t> act
       return testing::AssertionFailure() << "position " << i << ": padding differs";
     const double sa = ref_score[std::size_t(actual[i])], se = ref_score[std::size_t(expected[i])];
     if (std::fabs(sa - se) > 1e-4 + std::fabs(se) / 128)
-      return testing::AssertionFailure() << "position " << i << ": picked " << actual[i] << " (ref score " << sa
-                                         << ") instead of " << expected[i] << " (ref score " << se << ")";
+      return testing::AssertionFailure()
+             << "position " << i << ": picked " << actual[i] << " (ref score " << sa
+             << ") instead of " << expected[i] << " (ref score " << se << ")";
   }
   return testing::AssertionSuccess();
 }
@@ -133,7 +144,8 @@ testing::AssertionResult topk_near_tie_compare(std::span<const std::int32_t> act
 void expect_indexer_matches(IndexerFixture& f, const IndexerRef& ref) {
   const int L = 4096;
   for (int t = 0; t < f.T; ++t) {
-    std::span<const float> a(f.score.data() + t * L, L), e(ref.score.data() + std::size_t(t) * L, L);
+    std::span<const float> a(f.score.data() + t * L, L),
+        e(ref.score.data() + std::size_t(t) * L, L);
     // score: valid region (golden != NEG_BIG) by ratio_allclose(1e-4, 1/128, 0.5%); tail exact.
     std::vector<float> av, ev;
     for (int j = 0; j < L; ++j) {
@@ -145,11 +157,13 @@ void expect_indexer_matches(IndexerFixture& f, const IndexerRef& ref) {
       }
     }
     EXPECT_TRUE(tdtest::ratio_allclose(av, ev, 1e-4, 1.0 / 128, 0.005)) << "t=" << t;
-    std::span<const std::int32_t> ta(f.topk.data() + t * L, 512), te(ref.topk.data() + std::size_t(t) * L, 512);
+    std::span<const std::int32_t> ta(f.topk.data() + t * L, 512),
+        te(ref.topk.data() + std::size_t(t) * L, 512);
     // (1) the schedule's top-k is exactly the top-k of its own score row (descending score,
     // ascending index on ties), checked with the spec's paired comparator and exactly;
     std::vector<std::int32_t> own = own_topk(a, ref_vis(ref, t));
-    EXPECT_TRUE(tdtest::topk_pair_compare(ta, std::span<const std::int32_t>(own), [&](std::int32_t i) { return a[std::size_t(i)]; }))
+    EXPECT_TRUE(tdtest::topk_pair_compare(ta, std::span<const std::int32_t>(own),
+                                          [&](std::int32_t i) { return a[std::size_t(i)]; }))
         << "t=" << t;
     EXPECT_TRUE(std::equal(ta.begin(), ta.end(), own.begin())) << "t=" << t;
     // (2) against the reference: where the picks differ, the reference scores of the two picks
@@ -158,7 +172,6 @@ void expect_indexer_matches(IndexerFixture& f, const IndexerRef& ref) {
     for (int j = 512; j < L; ++j) ASSERT_EQ(f.topk.data()[t * L + j], -1);
   }
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // Sparse-attention fixture (spec §10.3: q, KV = rand - 0.5; pools per §1.3).
@@ -169,7 +182,8 @@ struct SparseFixture {
   int T = 8;
   std::vector<std::int32_t> starts;
   td::Tensor<std::int32_t, 1> pos{{8}}, lens{{4}}, wlens{{8}};
-  td::Tensor<std::int32_t, 2> ori_table{{4, 128}}, cmp_table{{4, 32}}, widx{{8, 128}}, topk{{8, 512}};
+  td::Tensor<std::int32_t, 2> ori_table{{4, 128}}, cmp_table{{4, 32}}, widx{{8, 128}},
+      topk{{8, 512}};
   td::Tensor<td::bf16, 3> q;
   td::Tensor<td::bf16, 2> ori_kv, cmp_kv;
   td::Tensor<float, 1> sink;
@@ -209,7 +223,8 @@ struct SparseFixture {
     td::paged::build_kv_seq_lens(lens.view(), starts, sh, cfg);
     td::paged::build_fixture_block_table(ori_table.view(), 128);
     td::paged::build_fixture_block_table(cmp_table.view(), 32);
-    td::paged::build_window_indices(widx.view(), wlens.view(), pos.view(), ori_table.view(), 128, sh, cfg);
+    td::paged::build_window_indices(widx.view(), wlens.view(), pos.view(), ori_table.view(), 128,
+                                    sh, cfg);
     rng.fill_uniform(q.flat(), -0.5f, 0.5f);
     rng.fill_uniform(ori_kv.flat(), -0.5f, 0.5f);
     rng.fill_uniform(cmp_kv.flat(), -0.5f, 0.5f);
@@ -217,9 +232,10 @@ struct SparseFixture {
     for (auto& x : topk.flat()) x = std::int32_t(rng.integer(-2, 2100));
   }
   a2::SparseAttnInputs inputs() const {
-    return {kind, q.view(), ori_kv.view(), widx.view(), wlens.view(), cmp_kv.view(), cmp_table.view(),
-            topk.view(), pos.view(), lens.view(), sink.view(), rope.view(), wo_a.view(), wo_b.view(),
-            wo_b_scale.view(), sh.seq};
+    return {kind,         q.view(),      ori_kv.view(),     widx.view(),
+            wlens.view(), cmp_kv.view(), cmp_table.view(),  topk.view(),
+            pos.view(),   lens.view(),   sink.view(),       rope.view(),
+            wo_a.view(),  wo_b.view(),   wo_b_scale.view(), sh.seq};
   }
 };
 
@@ -230,9 +246,10 @@ struct SparseRef {
 };
 SparseRef sparse_reference(const SparseFixture& f) {
   SparseRef r;
-  td::golden::sparse_attention(f.cfg, f.kind, r.o_packed.view(), f.q.view(), f.ori_kv.view(), f.cmp_kv.view(),
-                               f.widx.view(), f.wlens.view(), f.topk.view(), f.cmp_table.view(), f.pos.view(),
-                               f.lens.view(), 2, f.sink.view(), f.rope.view());
+  td::golden::sparse_attention(f.cfg, f.kind, r.o_packed.view(), f.q.view(), f.ori_kv.view(),
+                               f.cmp_kv.view(), f.widx.view(), f.wlens.view(), f.topk.view(),
+                               f.cmp_table.view(), f.pos.view(), f.lens.view(), 2, f.sink.view(),
+                               f.rope.view());
   td::Tensor<td::bf16, 2> out({8, 4096});
   td::golden::output_projection(f.cfg, out.view(), r.o_packed.view(), f.wo_a.view(), f.wo_b.view(),
                                 f.wo_b_scale.view());
@@ -273,8 +290,10 @@ TEST(A2a3Memory, PlanTimeOverflowNamesBufferNeedAndCapacity) {
     EXPECT_NE(w.find("UB"), std::string::npos) << w;
   }
   // Cube cores own no UB.
-  EXPECT_THROW(m.launch_cube("no_ub", 1, [&](a2::CubeBlock& b) { (void)b.cube.alloc<float>(a2::Space::ub, "x", 1, 8); }),
-               td::Error);
+  EXPECT_THROW(
+      m.launch_cube("no_ub", 1,
+                    [&](a2::CubeBlock& b) { (void)b.cube.alloc<float>(a2::Space::ub, "x", 1, 8); }),
+      td::Error);
 }
 
 TEST(A2a3Memory, FusedScoreWithEightSlotRingIsRejectedAtPlanTime) {
@@ -297,13 +316,16 @@ TEST(A2a3Memory, FusedScoreWithEightSlotRingIsRejectedAtPlanTime) {
 TEST(A2a3Ring, PushIntoUnreleasedSlotIsRejected) {
   a2::Machine m;
   m.begin_kernel("ring");
-  EXPECT_THROW(m.launch_mixed("ring_full", 1, [&](a2::MixedBlock& b) {
-    auto acc = b.cube.alloc<std::int32_t>(a2::Space::l0c, "acc", 16, 16);
-    a2::Ring<std::int32_t> r(b.cube, b.vec0, "r", 2, 16, 16);
-    r.push(acc, 0, 16);
-    r.push(acc, 0, 16);
-    r.push(acc, 0, 16);  // slot 0 was never popped/released
-  }), td::Error);
+  EXPECT_THROW(m.launch_mixed("ring_full", 1,
+                              [&](a2::MixedBlock& b) {
+                                auto acc =
+                                    b.cube.alloc<std::int32_t>(a2::Space::l0c, "acc", 16, 16);
+                                a2::Ring<std::int32_t> r(b.cube, b.vec0, "r", 2, 16, 16);
+                                r.push(acc, 0, 16);
+                                r.push(acc, 0, 16);
+                                r.push(acc, 0, 16);  // slot 0 was never popped/released
+                              }),
+               td::Error);
 }
 
 TEST(A2a3Ring, BackPressureDelaysTheProducer) {
@@ -427,9 +449,9 @@ TEST_P(A2a3SparseAttention, EqualsReference) {
   EXPECT_GT(rep.latency_us(), 0.0);
   // The packed attention output (before the projection) and the final attn_out, both with the
   // spec's sparse_attn tolerance ratio_allclose(1e-4, 1/128, 0.5%).
-  EXPECT_TRUE(tdtest::ratio_allclose(tdtest::to_floats(std::span<const td::bf16>(ws.o_packed.flat())),
-                                     tdtest::to_floats(std::span<const td::bf16>(ref.o_packed.flat())), 1e-4,
-                                     1.0 / 128, 0.005));
+  EXPECT_TRUE(tdtest::ratio_allclose(
+      tdtest::to_floats(std::span<const td::bf16>(ws.o_packed.flat())),
+      tdtest::to_floats(std::span<const td::bf16>(ref.o_packed.flat())), 1e-4, 1.0 / 128, 0.005));
   const std::vector<float> got = tdtest::to_floats(std::span<const td::bf16>(f.out.flat()));
   EXPECT_TRUE(tdtest::ratio_allclose(got, ref.out, 1e-4, 1.0 / 128, 0.005));
 }
@@ -447,11 +469,309 @@ TEST(A2a3SparseAttentionCost, GatherIsIssueBoundAndWeightsDominateGm) {
   for (const auto& l : rep.launches) {
     if (l.name == "sparse_attn.qk_pv") {
       // 1 KiB rows gathered one DMA each: MTE2 busy time exceeds bytes / port rate.
-      const double bytes_us = double(l.traffic.gm_read) / (a2::kArch.gm_port_bytes_per_cycle * a2::kArch.clock_hz) * 1e6;
+      const double bytes_us = double(l.traffic.gm_read) /
+                              (a2::kArch.gm_port_bytes_per_cycle * a2::kArch.clock_hz) * 1e6;
       EXPECT_GT(l.busy_max_us[0], 0.0);
       EXPECT_GT(l.busy_max_us[0] * 24, bytes_us);
     }
   }
   // wo_a (64 MiB BF16) and wo_b (32 MiB INT8) are read once.
   EXPECT_GE(rep.traffic().gm_read, std::int64_t(64 + 32) * 1024 * 1024);
+}
+
+TEST(A2a3SparseAttentionDeterminism, SameResultsAndTimesWithThreads) {
+  SparseFixture f(td::LayerKind::csa, {8192, 0, 2, 3});
+  a2::Machine serial;
+  a2::SparseAttnWorkspace w1(f.T, f.kind, f.cfg);
+  const auto r1 = a2::sparse_attention(serial, f.inputs(), f.out.view(), w1, f.cfg);
+  const std::vector<float> o1 = tdtest::to_floats(std::span<const td::bf16>(f.out.flat()));
+  td::ThreadPool pool(3);
+  a2::Machine threaded(&pool);
+  a2::SparseAttnWorkspace w2(f.T, f.kind, f.cfg);
+  std::fill(f.out.flat().begin(), f.out.flat().end(), td::bf16());
+  const auto r2 = a2::sparse_attention(threaded, f.inputs(), f.out.view(), w2, f.cfg);
+  EXPECT_EQ(o1, tdtest::to_floats(std::span<const td::bf16>(f.out.flat())));
+  EXPECT_EQ(r1.latency_us(), r2.latency_us());
+  EXPECT_EQ(r1.traffic().gm_total(), r2.traffic().gm_total());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cost-model basics
+
+TEST(A2a3Cost, CopiesAreCountedAndLaunchAddsOverhead) {
+  a2::Machine m;
+  m.begin_kernel("k");
+  std::vector<float> src(64 * 256, 1.0f), dst(64 * 256, 0.0f);
+  const auto& rep = m.launch_vector("copy", 1, [&](a2::VectorBlock& b) {
+    auto t = b.vec.alloc<float>(a2::Space::ub, "t", 64, 256);
+    b.vec.copy_in(t, 0, td::ConstView<float, 2>(src.data(), {64, 256}));
+    b.vec.copy_out(td::View<float, 2>(dst.data(), {64, 256}), t, 0);
+  });
+  EXPECT_EQ(rep.traffic.gm_read, 64 * 256 * 4);
+  EXPECT_EQ(rep.traffic.gm_write, 64 * 256 * 4);
+  EXPECT_EQ(rep.traffic.ub_in, 64 * 256 * 4);
+  EXPECT_EQ(dst, src);
+  EXPECT_EQ(rep.peak_max[std::size_t(a2::Space::ub)], 64 * 256 * 4);
+  EXPECT_DOUBLE_EQ(rep.latency_us,
+                   std::max(rep.core_us, rep.hbm_bound_us) + a2::kArch.launch_overhead_us);
+  // copy_out must wait for copy_in's data: the core time covers both plus the DMA latency.
+  EXPECT_GT(rep.core_us, a2::kArch.cycles_to_us(a2::kArch.dma_latency_cycles));
+}
+
+TEST(A2a3Cost, DoubleBufferingOverlapsPipes) {
+  // 8 tiles: copy_in -> vector op -> copy_out, with one buffer vs two alternating buffers.
+  auto run = [](int nbuf) {
+    a2::Machine m;
+    m.set_functional(false);
+    m.begin_kernel("k");
+    return m
+        .launch_vector("db", 1,
+                       [&](a2::VectorBlock& b) {
+                         std::vector<a2::Tile<float>> t;
+                         for (int i = 0; i < nbuf; ++i)
+                           t.push_back(b.vec.alloc<float>(a2::Space::ub, "t", 64, 256));
+                         for (int i = 0; i < 8; ++i) {
+                           auto& x = t[std::size_t(i % nbuf)];
+                           b.vec.copy_in(x, 0, td::ConstView<float, 2>(nullptr, {64, 256}));
+                           b.vec.vec("op", 64 * 256, 4, {&x.state()}, {&x.state()}, [] {});
+                           b.vec.copy_out(td::View<float, 2>(nullptr, {64, 256}), x, 0);
+                         }
+                       })
+        .core_us;
+  };
+  EXPECT_LT(run(2), run(1));
+}
+
+TEST(A2a3Cost, WeightStreamingKernelsAreHbmBound) {
+  SparseFixture f(td::LayerKind::swa, {8192, 127, 31, 8192});
+  a2::Machine m;
+  a2::SparseAttnWorkspace ws(f.T, f.kind, f.cfg);
+  const auto rep = a2::sparse_attention(m, f.inputs(), f.out.view(), ws, f.cfg);
+  for (const auto& l : rep.launches)
+    if (l.name == "sparse_attn.proj_a") {
+      const double weights_us = 8.0 * 1024 * 4096 * 2 / a2::kArch.hbm_bytes_per_s * 1e6;
+      EXPECT_GE(l.latency_us, weights_us);
+      EXPECT_GE(l.hbm_bound_us, weights_us);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layers (timing-only front kernels) and outputs
+
+TEST(A2a3Layer, FrontKernelsAreTimedAndFunctionalModeIsRestored) {
+  td::ModelConfig cfg = td::flash_config();
+  a2::Machine m;
+  const auto ks = a2::layer_front_timing(m, cfg, 8);
+  EXPECT_EQ(ks.size(), 4u);
+  for (const auto& k : ks) EXPECT_GT(k.latency_us(), a2::kArch.launch_overhead_us) << k.name;
+  const auto post = a2::hc_post_timing(m, cfg, 8);
+  EXPECT_GT(post.latency_us(), a2::kArch.launch_overhead_us);
+  // Functional again: a copy moves data.
+  m.begin_kernel("k");
+  std::vector<float> src(256, 2.0f), dst(256, 0.0f);
+  m.launch_vector("copy", 1, [&](a2::VectorBlock& b) {
+    auto t = b.vec.alloc<float>(a2::Space::ub, "t", 1, 256);
+    b.vec.copy_in(t, 0, td::ConstView<float, 2>(src.data(), {1, 256}));
+    b.vec.copy_out(td::View<float, 2>(dst.data(), {1, 256}), t, 0);
+  });
+  EXPECT_EQ(dst, src);
+}
+
+TEST(A2a3Trace, ChromeTraceAndJsonReport) {
+  IndexerFixture f({8192, 0, 2, 3});
+  a2::Machine m;
+  m.set_tracing(true);
+  a2::IndexerWorkspace ws(f.T, f.cfg, false);
+  const auto rep = a2::indexer(m, f.inputs(), f.outputs(), ws, f.cfg);
+  std::ostringstream os;
+  a2::write_chrome_trace(os, m);
+  const std::string tr = os.str();
+  EXPECT_EQ(tr.rfind("{\"displayTimeUnit\":\"ns\",\"traceEvents\":[", 0), 0u);
+  EXPECT_NE(tr.find("\"ph\":\"X\""), std::string::npos);
+  EXPECT_NE(tr.find("\"name\":\"AIC0\""), std::string::npos);
+  EXPECT_NE(tr.find("\"name\":\"AIV1\""), std::string::npos);
+  EXPECT_NE(tr.find("\"name\":\"MTE2\""), std::string::npos);
+  EXPECT_NE(tr.find("score_push"), std::string::npos);
+  EXPECT_EQ(std::count(tr.begin(), tr.end(), '{'), std::count(tr.begin(), tr.end(), '}'));
+  // The launch spans tile the kernel's latency.
+  double sum = 0;
+  for (const auto& s : m.launch_spans()) sum += s.dur_us;
+  EXPECT_NEAR(sum, rep.latency_us(), 1e-9);
+  const std::string js = a2::kernel_json(rep);
+  EXPECT_NE(js.find("\"latency_us\""), std::string::npos);
+  EXPECT_NE(js.find("\"indexer.score_fused\""), std::string::npos);
+  EXPECT_NE(js.find("\"peak_bytes\""), std::string::npos);
+  EXPECT_EQ(std::count(js.begin(), js.end(), '{'), std::count(js.begin(), js.end(), '}'));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Compressors (spec §6) against golden::compressor_step / indexer_compressor_step
+
+struct CompressorFixture {
+  td::ModelConfig cfg = td::flash_config();
+  td::kernels::CompressorSpec spec;
+  bool inner;
+  td::paged::StepShape sh{4, 2, -1};
+  std::vector<std::int32_t> starts;
+  index_t page, state_blocks;
+  td::Tensor<std::int32_t, 1> pos{{8}};
+  td::Tensor<std::int32_t, 2> state_table, cmp_table;
+  td::Tensor<std::int64_t, 1> state_slots{{8}}, cmp_slots{{8}};
+  td::Tensor<td::bf16, 2> x_n, wkv, wgate, hadamard = td::make_hadamard_bf16(128);
+  td::Tensor<float, 2> ape, state_pool;
+  td::Tensor<td::bf16, 1> norm_w;
+  td::RopeTable rope;
+  td::Tensor<td::bf16, 2> cmp_kv;
+  td::Tensor<std::int8_t, 2> idx_kv;
+  td::Tensor<float, 1> idx_scale;
+
+  CompressorFixture(td::kernels::CompressorSpec sp, bool inner_, std::vector<std::int32_t> st)
+      : spec(sp),
+        inner(inner_),
+        starts(std::move(st)),
+        page(sp.ratio == 4 ? 4 : 8),
+        state_blocks(sp.ratio == 4 ? 65 : 64),
+        state_table({4, sp.ratio == 4 ? 4096 : 2048}),
+        cmp_table({4, inner_ ? 64 : 32}),
+        x_n({8, 4096}),
+        wkv({sp.out_dim(), 4096}),
+        wgate({sp.out_dim(), 4096}),
+        ape({sp.ratio, sp.out_dim()}),
+        state_pool({state_blocks * page, 2 * sp.out_dim()}),
+        norm_w({sp.head_dim}),
+        rope(td::make_rope_table(cfg, td::LayerKind::csa, cfg.max_seq_len)),
+        cmp_kv({32 * 128, sp.head_dim}),
+        idx_kv({64 * 128, 128}),
+        idx_scale({64 * 128}) {
+    tdtest::Rng rng(sp.ratio * 10 + (inner_ ? 1 : 0));
+    td::paged::build_position_ids(pos.view(), starts, sh, cfg);
+    td::paged::build_fixture_block_table(state_table.view(), state_blocks);
+    td::paged::build_fixture_block_table(cmp_table.view(), inner_ ? 64 : 32);
+    td::paged::build_state_slot_mapping(state_slots.view(), pos.view(), state_table.view(),
+                                        state_blocks, int(page), sh, cfg);
+    td::paged::build_compressed_slot_mapping(cmp_slots.view(), pos.view(), cmp_table.view(),
+                                             inner_ ? 64 : 32, sp.ratio, sh, cfg);
+    rng.fill_normal(x_n.flat(), 1.0f);
+    rng.fill_normal(wkv.flat(), inner_ ? 0.0293f : 0.0245f);
+    rng.fill_normal(wgate.flat(), inner_ ? 0.0512f : 0.0388f);
+    rng.fill_normal(ape.flat(), inner_ ? 0.1528f : 0.1243f);
+    for (auto& x : norm_w.flat())
+      x = td::bf16(inner_ ? 0.685f + 0.26f * rng.normal() : 0.9666f + 0.19f * rng.normal());
+    // History (spec §10.3): ratio-4 state rows of positions < start hold 0.05 randn (kv and score);
+    // ratio-128 pools stay zero.
+    if (sp.ratio == 4)
+      for (int b = 0; b < 4; ++b)
+        for (int p = std::max(0, starts[std::size_t(b)] - 16); p < starts[std::size_t(b)]; ++p) {
+          const index_t blk = state_table.view()(b, p / page);
+          for (index_t o = 0; o < 2 * sp.out_dim(); ++o)
+            state_pool.view()(blk * page + p % page, o) = 0.05f * rng.normal();
+        }
+    rng.fill_uniform(cmp_kv.flat(), -1.0f, 1.0f);
+  }
+  td::kernels::CompressorMetadata meta() const {
+    return {sh, pos.view(), state_slots.view(), cmp_slots.view(), state_table.view()};
+  }
+  td::kernels::CompressorWeights weights() const {
+    return {wkv.view(), wgate.view(), ape.view(), norm_w.view()};
+  }
+};
+
+struct CompressorCase {
+  int which;  // 0 CSA main, 1 HCA, 2 inner (window start), 3 inner (request start)
+  std::vector<std::int32_t> starts;
+};
+class A2a3Compressor : public testing::TestWithParam<CompressorCase> {};
+
+TEST_P(A2a3Compressor, EqualsGolden) {
+  const td::ModelConfig cfg = td::flash_config();
+  const int which = GetParam().which;
+  const auto spec = which == 0   ? td::kernels::csa_compressor_spec(cfg)
+                    : which == 1 ? td::kernels::hca_compressor_spec(cfg)
+                                 : td::kernels::indexer_compressor_spec(cfg);
+  const bool inner = which >= 2;
+  const auto rule = which == 3 ? td::kernels::InnerRopePosition::request_start
+                               : td::kernels::InnerRopePosition::window_start;
+  CompressorFixture f(spec, inner, GetParam().starts);
+  CompressorFixture g(spec, inner, GetParam().starts);  // golden's copy of every in/out tensor
+  td::View<float, 2> no_kv_out;
+  if (inner)
+    td::golden::indexer_compressor_step(cfg, g.state_pool.view(), g.idx_kv.view(),
+                                        g.idx_scale.view(), no_kv_out, g.x_n.view(), g.weights(),
+                                        g.hadamard.view(), g.meta(), g.rope.view(), rule);
+  else
+    td::golden::compressor_step(cfg, spec, g.state_pool.view(), g.cmp_kv.view(), no_kv_out,
+                                g.x_n.view(), g.weights(), g.meta(), g.rope.view());
+  a2::Machine m;
+  a2::CompressorWorkspace ws(8, spec);
+  a2::CompressorInputs in{spec,          f.x_n.view(), f.weights(),      f.meta(),
+                          f.rope.view(), rule,         f.hadamard.view()};
+  a2::CompressorOutputs out{f.state_pool.view(), f.cmp_kv.view(), f.idx_kv.view(),
+                            f.idx_scale.view()};
+  const auto rep = a2::compressor(m, in, out, ws, cfg, inner);
+  EXPECT_GT(rep.latency_us(), 0.0);
+  EXPECT_TRUE(tdtest::ratio_allclose(f.state_pool.flat(), g.state_pool.flat(), 1e-3, 1e-3, 0.0));
+  if (inner) {
+    std::vector<float> a(f.idx_kv.flat().begin(), f.idx_kv.flat().end()),
+        e(g.idx_kv.flat().begin(), g.idx_kv.flat().end());
+    EXPECT_TRUE(tdtest::ratio_allclose(a, e, 1.0, 0.0, 0.01));
+    EXPECT_TRUE(
+        tdtest::ratio_allclose(f.idx_scale.flat(), g.idx_scale.flat(), 1e-4, 1.0 / 128, 0.01));
+  } else {
+    EXPECT_TRUE(tdtest::ratio_allclose(
+        tdtest::to_floats(std::span<const td::bf16>(f.cmp_kv.flat())),
+        tdtest::to_floats(std::span<const td::bf16>(g.cmp_kv.flat())), 1e-4, 1.0 / 128, 0.0));
+  }
+  // At least one row was emitted by these start sets.
+  bool any = false;
+  for (auto sl : f.cmp_slots.flat()) any = any || sl >= 0;
+  EXPECT_TRUE(any);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    CanonicalStarts, A2a3Compressor,
+    testing::Values(CompressorCase{0, {8192, 0, 2, 3}}, CompressorCase{0, {7, 127, 128, 255}},
+                    CompressorCase{1, {8192, 127, 128, 255}}, CompressorCase{2, {8192, 0, 2, 3}},
+                    CompressorCase{3, {8192, 0, 2, 3}}, CompressorCase{2, {7, 127, 511, 8702}}));
+
+TEST(A2a3IndexerWithInnerCompressor, EqualsGoldenComposition) {
+  // §9.2 order: the inner compressor refreshes the index cache (RoPE at start_b, the CSA
+  // composition's rule), then score and top-k read it.
+  const std::vector<std::int32_t> starts{8192, 0, 2, 3};
+  IndexerFixture f(starts);
+  const auto spec = td::kernels::indexer_compressor_spec(f.cfg);
+  CompressorFixture c(spec, true, starts), cg(spec, true, starts);
+  std::copy(f.idx_kv.flat().begin(), f.idx_kv.flat().end(), c.idx_kv.flat().begin());
+  std::copy(f.idx_scale.flat().begin(), f.idx_scale.flat().end(), c.idx_scale.flat().begin());
+  std::copy(f.idx_kv.flat().begin(), f.idx_kv.flat().end(), cg.idx_kv.flat().begin());
+  std::copy(f.idx_scale.flat().begin(), f.idx_scale.flat().end(), cg.idx_scale.flat().begin());
+  const auto rule = td::kernels::InnerRopePosition::request_start;
+  // Golden: inner compressor, then the indexer on the refreshed cache.
+  td::View<float, 2> no_kv_out;
+  td::golden::indexer_compressor_step(f.cfg, cg.state_pool.view(), cg.idx_kv.view(),
+                                      cg.idx_scale.view(), no_kv_out, cg.x_n.view(), cg.weights(),
+                                      cg.hadamard.view(), cg.meta(), cg.rope.view(), rule);
+  std::copy(cg.idx_kv.flat().begin(), cg.idx_kv.flat().end(), f.idx_kv.flat().begin());
+  std::copy(cg.idx_scale.flat().begin(), cg.idx_scale.flat().end(), f.idx_scale.flat().begin());
+  const IndexerRef ref = indexer_reference(f);
+  // a2a3: one indexer kernel with the functional inner compressor on c's cache.
+  a2::Machine m;
+  a2::IndexerWorkspace ws(f.T, f.cfg, false);
+  a2::CompressorWorkspace cws(8, spec);
+  a2::InnerCompressorStep inner{
+      {spec, c.x_n.view(), c.weights(), c.meta(), c.rope.view(), rule, c.hadamard.view()},
+      {c.state_pool.view(), c.cmp_kv.view(), c.idx_kv.view(), c.idx_scale.view()},
+      &cws};
+  a2::IndexerInputs in = f.inputs();
+  in.idx_kv = c.idx_kv.view();
+  in.idx_scale = c.idx_scale.view();
+  const a2::InnerCompressorStep* inner_step = &inner;
+  const auto rep =
+      a2::indexer(m, in, f.outputs(), ws, f.cfg, a2::ScoreDesign::fused, 2, inner_step);
+  bool has_inner = false;
+  for (const auto& l : rep.launches) has_inner = has_inner || l.name == "indexer.inner_cmp.pool";
+  EXPECT_TRUE(has_inner);
+  std::vector<float> a(c.idx_kv.flat().begin(), c.idx_kv.flat().end()),
+      e(cg.idx_kv.flat().begin(), cg.idx_kv.flat().end());
+  EXPECT_TRUE(tdtest::ratio_allclose(a, e, 1.0, 0.0, 0.01));
+  expect_indexer_matches(f, ref);
 }

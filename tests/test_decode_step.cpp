@@ -6,7 +6,9 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <vector>
 
@@ -176,6 +178,7 @@ void run_consecutive_steps(std::vector<std::int32_t> starts, int steps) {
           << td::to_string(L.kind) << " x_out, step " << step << ", start[0] " << starts[0];
     }
     for (auto& s : starts) s += 1;
+    if (steps > 50 && (step + 1) % 25 == 0) std::fprintf(stderr, "  step %d/%d passed\n", step + 1, steps);
   }
   for (std::size_t l = 0; l < st.layers.size(); ++l)
     tdtest::expect_caches_close(st.layers[l]->caches, st.gold[l],

@@ -430,8 +430,9 @@ void check_query_case(const QueryCase& c) {
   for (auto isa : isas()) {
     SCOPED_TRACE(std::string("isa ") + std::string(td::cpu::to_string(isa)));
     // The scalar GEMM is slow: one thread count there, 1/2/7 on the vector path.
-    const std::vector<std::size_t> counts =
-        isa == td::cpu::Isa::scalar ? std::vector<std::size_t>{2} : std::vector<std::size_t>{1, 2, 7};
+    const std::vector<std::size_t> counts = isa == td::cpu::Isa::scalar
+                                                ? std::vector<std::size_t>{2}
+                                                : std::vector<std::size_t>{1, 2, 7};
     for (std::size_t threads : counts) {
       td::ThreadPool pool(threads);
       td::cpu::Context ctx{&pool, isa};
@@ -462,7 +463,21 @@ void check_query_case(const QueryCase& c) {
 }
 
 TEST(IndexerQuery, MatchesGoldenSylvesterHadamard) {
-  check_query_case(make_query_case(8, true, 21));
+  // The exact Sylvester pattern takes the FWHT path.
+  auto c = make_query_case(8, true, 21);
+  EXPECT_TRUE(
+      kn::pack_indexer_query_weights(c.cfg, c.wq_b.view(), c.wq_scale.view(), c.hadamard.view())
+          .sylvester);
+  check_query_case(c);
+}
+
+TEST(IndexerQuery, MatchesGoldenAlmostSylvesterTakesTheMatrixPath) {
+  auto c = make_query_case(6, true, 28);
+  c.hadamard.view()(17, 93) = td::bf16(-c.hadamard.view()(17, 93).to_float());
+  EXPECT_FALSE(
+      kn::pack_indexer_query_weights(c.cfg, c.wq_b.view(), c.wq_scale.view(), c.hadamard.view())
+          .sylvester);
+  check_query_case(c);
 }
 
 TEST(IndexerQuery, MatchesGoldenRandomRotationOddTokenCount) {

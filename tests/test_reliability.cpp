@@ -23,9 +23,11 @@
 #include <thread>
 #include <vector>
 
+#include "common/decode_fixture.hpp"
 #include "common/random.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/core/parallel.hpp"
+#include "tiledecode/decode/step.hpp"
 #include "tiledecode/golden/sparse_attention.hpp"
 #include "tiledecode/kernels/hyper_connection.hpp"
 #include "tiledecode/kernels/output_projection.hpp"
@@ -313,12 +315,45 @@ TEST(Determinism, HyperConnectionPreAndPost) {
   const td::HcWeights w{fn.view(), scale.view(), base.view()};
   expect_thread_invariant([&](const td::cpu::Context& ctx) {
     td::Tensor<bf16, 2> xm({T, D});
-    td::Tensor<float, 2> post({T, 4}), mixes({T, td::kHcMixes});
+    td::Tensor<float, 2> post({T, 4});
+    td::Tensor<double, 2> mixes({T, td::kHcMixes});
     td::Tensor<float, 3> comb({T, 4, 4}), y({T, 4, D});
     td::kernels::hc_pre(ctx, xm.view(), post.view(), comb.view(), x_hc.view(), w, mixes.view(), cfg);
     td::kernels::hc_post(ctx, y.view(), attn.view(), x_hc.view(), post.view(), comb.view(), cfg);
     return concat({bytes_of(xm), bytes_of(post), bytes_of(comb), bytes_of(y)});
   });
+}
+
+TEST(Determinism, WholeLayerStepEveryFamily) {
+  // One decode-layer step at the flash shapes runs every kernel of its family (hc, RMSNorm, qkv,
+  // cache write, compressors, indexer query/weights/score/top-k, sparse attention, output
+  // projection); x_out and every pool it updates must be byte-identical for any thread count.
+  const auto cfg = td::flash_config();
+  const int B = 2, S = 2;
+  const index_t T = B * S;
+  const td::paged::FixtureTables fx(B, cfg);
+  td::paged::StepMetadata md(B, S, cfg);
+  const std::vector<std::int32_t> starts{8190, 3};
+  md.build(starts, td::paged::StepShape{B, S, 1}, fx.tables(), fx.pools, cfg);
+  td::Tensor<float, 3> x_hc({T, 4, cfg.hidden});
+  td::decode::synthetic::fill_x_hc(td::cpu::Context{}, x_hc.view(), 99, 0);
+  std::vector<LayerKind> kinds{LayerKind::swa, LayerKind::csa, LayerKind::hca};
+  if (lean()) kinds = {LayerKind::csa};  // CSA runs the superset of kernels
+  for (auto kind : kinds) {
+    SCOPED_TRACE(std::string(td::to_string(kind)));
+    const tdtest::LayerSetup setup(cfg, kind, fx.pools, 2, 31, td::cpu::Context{});
+    expect_thread_invariant([&](const td::cpu::Context& ctx) {
+      td::decode::LayerCacheStorage caches = setup.caches;  // every run starts from the same pools
+      td::decode::Workspace ws(cfg, B, S, ctx.exec ? ctx.exec->concurrency() : 1);
+      td::Tensor<float, 3> x_out({T, 4, cfg.hidden});
+      const td::decode::Backend be{td::decode::BackendKind::cpu, ctx};
+      td::decode::layer_step(be, x_out.view(), x_hc.view(), setup.weights.view(), caches.view(), md,
+                             setup.rope.view(), ws, cfg);
+      return concat({bytes_of(x_out), bytes_of(caches.kv_cache), bytes_of(caches.cmp_kv),
+                     bytes_of(caches.state), bytes_of(caches.inner_state),
+                     bytes_of(caches.idx_kv_cache), bytes_of(caches.idx_kv_scale)});
+    });
+  }
 }
 
 // === concurrency: several engine threads, each with its own pool/context/workspace ==============

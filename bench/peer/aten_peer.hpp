@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "peer/fixtures.hpp"
+#include "peer/layer_case.hpp"
 
 namespace tdpeer {
 
@@ -43,5 +44,8 @@ PeerKernel make_peer_oproj(const Weights& w, Case& cs, WeightMode mode);
 // Compressor step (spec §6): which = 4 (CSA main), 128 (HCA), 0 (indexer inner). Writes state
 // rows and, on boundaries, the compressed (or index) cache rows; output: the emitted rows.
 PeerKernel make_peer_compressor(const Weights& w, Case& cs, int which, WeightMode mode);
+// One whole CSA layer step (spec §4, §9.2) from x_hc to x_out [T, 4, D] FP32 on the layer
+// case's pools and metadata (output: x_out).
+PeerKernel make_peer_layer(const LayerModel& m, LayerCase& lc, WeightMode mode);
 
 }  // namespace tdpeer

@@ -5,15 +5,21 @@
 //                [--golden-max-batch N]
 //
 // Points: B=4, S=2 at context 1k, 4k, 8k, 16k, and batch 1..64 at 8k (--quick: B=4 at 8k).
-// Kernels: indexer score + top-k, sparse attention SWA/HCA/CSA, output projection, the three
-// compressors (context-independent ones are measured at 8k only).
-// Each time is the median of repeated runs (at least --min-time seconds and 3 runs); ratios are
-// peer time / TileDecode time (> 1: TileDecode is faster). % of ceiling = the roofline time
-// (max of compute time at the FP32-FMA + INT8 ceilings and weight/KV bytes at the measured read
-// bandwidth, both × threads) over the measured time.
+// Kernels: indexer score + top-k, sparse attention CSA/HCA/SWA, output projection, the three
+// compressors (context-independent: measured at the 8k points only), and a whole CSA layer
+// step (decode::csa_step).
+// Timing: TileDecode and every peer variant are sampled round-robin (same load for all) for at
+// least --min-time seconds each and 3 rounds. The reported time of a single-thread row is the
+// median CPU time of the calling thread (on a shared machine, wall time mostly measures the
+// other tenants; every single-thread implementation here runs on the calling thread); of a
+// 2-thread row, the minimum wall time. Wall medians and minima are in the JSON as well.
+// Ratios are peer time / TileDecode time (> 1: TileDecode is faster). % of ceiling = roofline
+// time (max of compute time at the FP32-FMA + INT8 ceilings and streamed bytes at the measured
+// read bandwidth, ceilings × threads; a layer sums its kernels' rooflines) / measured time.
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -29,6 +35,7 @@
 #include "ceilings.hpp"
 #include "peer/aten_peer.hpp"
 #include "peer/fixtures.hpp"
+#include "peer/layer_case.hpp"
 #include "peer/tiledecode_side.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/backend/cpu/isa.hpp"
@@ -44,7 +51,7 @@ struct Options {
   std::string json;
   std::vector<int> threads{1, 2};
   std::string filter;
-  double min_time = 0.25;
+  double min_time = 0.1;
   int golden_max_batch = 4;
 };
 
@@ -54,11 +61,23 @@ struct Ceilings {
 };
 
 // Work of one kernel step: FP32 FLOP, INT8 OP (2 per multiply-add), bytes that must stream.
+// A composite step (the layer) lists its kernels in `parts`: its roofline is the sum of theirs.
 struct Cost {
   double fp32 = 0, int8 = 0, bytes = 0;
+  std::vector<Cost> parts;
+  Cost& operator+=(const Cost& o) {
+    fp32 += o.fp32, int8 += o.int8, bytes += o.bytes;
+    parts.push_back(o);
+    return *this;
+  }
 };
 
 double roofline_s(const Cost& c, const Ceilings& ce, int threads) {
+  if (!c.parts.empty()) {
+    double t = 0;
+    for (const Cost& p : c.parts) t += roofline_s(p, ce, threads);
+    return t;
+  }
   double compute = 0;
   if (ce.fma_gflops > 0) compute += c.fp32 / (ce.fma_gflops * 1e9 * threads);
   if (ce.int8_gops > 0) compute += c.int8 / (ce.int8_gops * 1e9 * threads);
@@ -66,6 +85,7 @@ double roofline_s(const Cost& c, const Ceilings& ce, int threads) {
   return std::max(compute, mem);
 }
 const char* bound_of(const Cost& c, const Ceilings& ce, int threads) {
+  if (!c.parts.empty()) return "mixed";
   double compute = 0;
   if (ce.fma_gflops > 0) compute += c.fp32 / (ce.fma_gflops * 1e9 * threads);
   if (ce.int8_gops > 0) compute += c.int8 / (ce.int8_gops * 1e9 * threads);
@@ -118,21 +138,61 @@ Cost attention_cost(const Weights& w, const Case& cs, int ratio) {
 Cost oproj_cost(const Weights& w, const Case& cs) {
   const auto& cfg = w.cfg;
   const double T = cs.tokens(), G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in(), D = cfg.hidden;
-  return {2 * T * G * R * K, 2 * T * D * G * R, G * R * K * 2 + D * G * R + T * (G * K * 2 + D * 2)};
+  Cost c;
+  c.fp32 = 2 * T * G * R * K;
+  c.int8 = 2 * T * D * G * R;
+  c.bytes = G * R * K * 2 + D * G * R + T * (G * K * 2 + D * 2);
+  return c;
 }
 
 Cost compressor_cost(const Weights& w, const Case& cs, int which) {
   const auto& cfg = w.cfg;
   const CompressorWeights& cw = which == 4 ? w.c4 : (which == 128 ? w.c128 : w.inner);
   const double T = cs.tokens(), OUT = cw.out_dim, D = cfg.hidden;
-  return {4 * T * OUT * D, 0, 2 * OUT * D * 2 + T * D * 2};
+  Cost c;
+  c.fp32 = 4 * T * OUT * D;
+  c.bytes = 2 * OUT * D * 2 + T * D * 2;
+  return c;
+}
+
+// The whole CSA layer: its kernels' costs (q/kv and indexer-query projections, both
+// compressors, indexer, CSA attention, o-proj; hc_pre/post and norms are negligible).
+Cost layer_cost(const Weights& w, const Case& cs) {
+  const auto& cfg = w.cfg;
+  const double T = cs.tokens(), D = cfg.hidden, QL = cfg.q_lora, H = cfg.n_heads, HD = cfg.head_dim;
+  const double IH = cfg.idx_n_heads, ID = cfg.idx_head_dim;
+  Cost qkv;
+  qkv.fp32 = 2 * T * D * QL + 2 * T * D * HD;
+  qkv.int8 = 2 * T * QL * H * HD;
+  qkv.bytes = D * QL * 2 + QL * H * HD + D * HD * 2;
+  Cost iq;
+  iq.fp32 = 2 * T * D * IH + 2 * T * IH * ID * ID;
+  iq.int8 = 2 * T * QL * IH * ID;
+  iq.bytes = QL * IH * ID + D * IH * 2;
+  Cost c;
+  c += qkv;
+  c += compressor_cost(w, cs, 4);
+  c += compressor_cost(w, cs, 0);
+  c += iq;
+  c += indexer_cost(w, cs);
+  c += attention_cost(w, cs, 4);
+  c += oproj_cost(w, cs);
+  return c;
 }
 
 // ---- kernels --------------------------------------------------------------------------------
 
-using TdMake = std::function<TdRunner(const Weights&, Case&, const td::cpu::Context*, int)>;
-using Make = std::function<Runner(const Weights&, Case&)>;
-using CostFn = std::function<Cost(const Weights&, const Case&)>;
+// What one point offers the kernels: the per-kernel case and, for the layer, the layer case.
+struct Bench {
+  const Weights& w;
+  Case& cs;
+  const LayerModel* lm = nullptr;
+  LayerCase* lc = nullptr;
+};
+
+using TdMake = std::function<TdRunner(Bench&, const td::cpu::Context*, int)>;
+using Make = std::function<Runner(Bench&)>;
+using CostFn = std::function<Cost(Bench&)>;
 
 struct KernelDef {
   std::string name;
@@ -146,37 +206,39 @@ struct KernelDef {
 std::vector<KernelDef> kernel_defs() {
   std::vector<KernelDef> k;
   k.push_back({"indexer", true,
-               [](const Weights& w, Case& c, const td::cpu::Context* x, int n) { return make_td_indexer(w, c, x, n); },
-               {{"aten", [](const Weights& w, Case& c) { return make_peer_indexer(w, c); }}},
-               [](const Weights& w, Case& c) { return make_golden_indexer(w, c); },
-               indexer_cost});
+               [](Bench& b, const td::cpu::Context* x, int n) { return make_td_indexer(b.w, b.cs, x, n); },
+               {{"aten", [](Bench& b) { return make_peer_indexer(b.w, b.cs); }}},
+               [](Bench& b) { return make_golden_indexer(b.w, b.cs); },
+               [](Bench& b) { return indexer_cost(b.w, b.cs); }});
   for (int ratio : {4, 128, 0}) {
     const std::string name = ratio == 4 ? "attn_csa" : (ratio == 128 ? "attn_hca" : "attn_swa");
     k.push_back({name, true,
-                 [ratio](const Weights& w, Case& c, const td::cpu::Context* x, int n) {
-                   return make_td_attention(w, c, ratio, x, n);
-                 },
-                 {{"aten", [ratio](const Weights& w, Case& c) { return make_peer_attention(w, c, ratio); }}},
-                 [ratio](const Weights& w, Case& c) { return make_golden_attention(w, c, ratio); },
-                 [ratio](const Weights& w, const Case& c) { return attention_cost(w, c, ratio); }});
+                 [ratio](Bench& b, const td::cpu::Context* x, int n) { return make_td_attention(b.w, b.cs, ratio, x, n); },
+                 {{"aten", [ratio](Bench& b) { return make_peer_attention(b.w, b.cs, ratio); }}},
+                 [ratio](Bench& b) { return make_golden_attention(b.w, b.cs, ratio); },
+                 [ratio](Bench& b) { return attention_cost(b.w, b.cs, ratio); }});
   }
   k.push_back({"oproj", false,
-               [](const Weights& w, Case& c, const td::cpu::Context* x, int) { return make_td_oproj(w, c, x); },
-               {{"aten_fp32_weights", [](const Weights& w, Case& c) { return make_peer_oproj(w, c, WeightMode::fp32_copy); }},
-                {"aten_dequant_per_step", [](const Weights& w, Case& c) { return make_peer_oproj(w, c, WeightMode::dequant); }}},
-               [](const Weights& w, Case& c) { return make_golden_oproj(w, c); },
-               oproj_cost});
+               [](Bench& b, const td::cpu::Context* x, int) { return make_td_oproj(b.w, b.cs, x); },
+               {{"aten_fp32_weights", [](Bench& b) { return make_peer_oproj(b.w, b.cs, WeightMode::fp32_copy); }},
+                {"aten_dequant_per_step", [](Bench& b) { return make_peer_oproj(b.w, b.cs, WeightMode::dequant); }}},
+               [](Bench& b) { return make_golden_oproj(b.w, b.cs); },
+               [](Bench& b) { return oproj_cost(b.w, b.cs); }});
   for (int which : {4, 128, 0}) {
     const std::string name = which == 4 ? "compressor_csa" : (which == 128 ? "compressor_hca" : "compressor_inner");
     k.push_back({name, false,
-                 [which](const Weights& w, Case& c, const td::cpu::Context* x, int) {
-                   return make_td_compressor(w, c, which, x);
-                 },
-                 {{"aten_fp32_weights", [which](const Weights& w, Case& c) { return make_peer_compressor(w, c, which, WeightMode::fp32_copy); }},
-                  {"aten_dequant_per_step", [which](const Weights& w, Case& c) { return make_peer_compressor(w, c, which, WeightMode::dequant); }}},
-                 [which](const Weights& w, Case& c) { return make_golden_compressor(w, c, which); },
-                 [which](const Weights& w, const Case& c) { return compressor_cost(w, c, which); }});
+                 [which](Bench& b, const td::cpu::Context* x, int) { return make_td_compressor(b.w, b.cs, which, x); },
+                 {{"aten_fp32_weights", [which](Bench& b) { return make_peer_compressor(b.w, b.cs, which, WeightMode::fp32_copy); }},
+                  {"aten_dequant_per_step", [which](Bench& b) { return make_peer_compressor(b.w, b.cs, which, WeightMode::dequant); }}},
+                 [which](Bench& b) { return make_golden_compressor(b.w, b.cs, which); },
+                 [which](Bench& b) { return compressor_cost(b.w, b.cs, which); }});
   }
+  k.push_back({"layer_csa", true,
+               [](Bench& b, const td::cpu::Context* x, int n) { return make_td_layer(*b.lm, *b.lc, x, n); },
+               {{"aten_fp32_weights", [](Bench& b) { return make_peer_layer(*b.lm, *b.lc, WeightMode::fp32_copy); }},
+                {"aten_dequant_per_step", [](Bench& b) { return make_peer_layer(*b.lm, *b.lc, WeightMode::dequant); }}},
+               [](Bench& b) { return make_golden_layer(*b.lm, *b.lc); },
+               [](Bench& b) { return layer_cost(b.w, b.cs); }});
   return k;
 }
 
@@ -188,33 +250,194 @@ struct Timed {
   std::function<void()> prepare;  // thread configuration, outside the timed region
 };
 
-// Median microseconds of each item, sampled round-robin: one warm-up run each, then rounds of
-// one timed run per item until `min_reps` rounds and `min_time` seconds per item have passed.
-std::vector<double> measure_interleaved(const std::vector<Timed>& items, double min_time,
-                                        int min_reps, int max_reps) {
+// Per-item statistics of the interleaved samples (microseconds).
+struct Stat {
+  double wall_median = NAN, wall_min = NAN, cpu_median = NAN, proc_cpu_median = NAN;
+};
+
+double process_cpu_us() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) * 1e6 + double(ts.tv_nsec) * 1e-3;
+}
+
+double thread_cpu_us() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) * 1e6 + double(ts.tv_nsec) * 1e-3;
+}
+
+// Items sampled round-robin: one warm-up run each, then rounds of one timed run per item until
+// `min_reps` rounds and `min_time` seconds per item have passed. Each sample records wall time
+// and the calling thread's CPU time (which, for single-threaded runs, excludes the time the OS
+// gave to other processes on a shared machine).
+std::vector<Stat> measure_interleaved(const std::vector<Timed>& items, double min_time,
+                                      int min_reps, int max_reps) {
   using clk = std::chrono::steady_clock;
   for (const Timed& it : items) {
     it.prepare();
     it.runner->run();
   }
-  std::vector<std::vector<double>> t(items.size());
+  std::vector<std::vector<double>> wall(items.size()), cpu(items.size()), pcpu(items.size());
   const auto start = clk::now();
   for (int round = 0; round < max_reps; ++round) {
     for (std::size_t i = 0; i < items.size(); ++i) {
       items[i].prepare();
+      const double p0 = process_cpu_us();
+      const double c0 = thread_cpu_us();
       const auto t0 = clk::now();
       items[i].runner->run();
-      t[i].push_back(std::chrono::duration<double, std::micro>(clk::now() - t0).count());
+      wall[i].push_back(std::chrono::duration<double, std::micro>(clk::now() - t0).count());
+      cpu[i].push_back(thread_cpu_us() - c0);
+      pcpu[i].push_back(process_cpu_us() - p0);
     }
     const double total = std::chrono::duration<double>(clk::now() - start).count();
     if (round + 1 >= min_reps && total >= min_time * double(items.size())) break;
   }
-  std::vector<double> med;
-  for (auto& v : t) {
-    std::sort(v.begin(), v.end());
-    med.push_back(v[v.size() / 2]);
+  std::vector<Stat> st;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    std::sort(wall[i].begin(), wall[i].end());
+    std::sort(cpu[i].begin(), cpu[i].end());
+    std::sort(pcpu[i].begin(), pcpu[i].end());
+    const std::size_t mid = (wall[i].size() - 1) / 2;  // lower median
+    st.push_back({wall[i][mid], wall[i].front(), cpu[i][mid], pcpu[i][mid]});
   }
-  return med;
+  return st;
+}
+
+// The time a row reports (see the header comment): single thread → median CPU time of the
+// calling thread; more threads → minimum wall time.
+double headline(const Stat& s, int threads) { return threads == 1 ? s.cpu_median : s.wall_min; }
+
+// ---- ceilings, timed like the kernels -------------------------------------------------------
+// The register-only loops of bench/ceilings.hpp (same instruction mix), but timed by the
+// calling thread's CPU time, best of 5, so that a loaded machine does not deflate them; the
+// read bandwidth likewise (per-thread CPU time of each reader, the slowest reader counts).
+
+template <class F>
+double best_cpu_seconds(F&& f, int reps = 5) {
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    const double c0 = thread_cpu_us();
+    f();
+    best = std::min(best, (thread_cpu_us() - c0) * 1e-6);
+  }
+  return best;
+}
+
+double cpu_fma_gflops() {
+#if TILEDECODE_X86
+  if (!td::cpu::cpu_has_avx2()) return 0.0;
+  const std::int64_t iters = 20'000'000;
+  volatile float sink = 0;
+  const double s = best_cpu_seconds([&] { sink = sink + tdbench::fma_loop(iters); });
+  return double(iters) * 10 * 8 * 2 / s * 1e-9;
+#else
+  return 0.0;
+#endif
+}
+
+double cpu_int8_gops() {
+#if TILEDECODE_X86
+  if (!td::cpu::cpu_has_avx2()) return 0.0;
+  const std::int64_t iters = 20'000'000;
+  volatile int sink = 0;
+  const double s = best_cpu_seconds([&] { sink = sink + tdbench::int8_loop(iters); });
+  return double(iters) * 4 * 32 * 2 / s * 1e-9;
+#else
+  return 0.0;
+#endif
+}
+
+#if TILEDECODE_X86
+// Throughput loops without a loop-carried chain through the multiplier inputs (an empty asm
+// makes the inputs opaque each iteration at zero cost), so they measure issue rate, not
+// latency. madd16: the indexer's inner loop (int16-widened operands, vpmaddwd + vpaddd, 16
+// multiply-adds per instruction). sign8: the sign-trick mix (2 × vpsignb, vpmaddubsw, vpmaddwd,
+// vpaddd per 32 multiply-adds).
+TILEDECODE_TARGET_AVX2 int madd16_loop(std::int64_t iters) {
+  __m256i k0 = _mm256_set1_epi16(3), k1 = _mm256_set1_epi16(-5), k2 = _mm256_set1_epi16(7),
+          k3 = _mm256_set1_epi16(-9), b = _mm256_set1_epi16(11);
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (std::int64_t i = 0; i < iters; ++i) {
+    asm volatile("" : "+x"(b), "+x"(k0), "+x"(k1), "+x"(k2), "+x"(k3));
+    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(k0, b));
+    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(k1, b));
+    a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(k2, b));
+    a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(k3, b));
+    a4 = _mm256_add_epi32(a4, _mm256_madd_epi16(k0, k1));
+    a5 = _mm256_add_epi32(a5, _mm256_madd_epi16(k2, k3));
+    a6 = _mm256_add_epi32(a6, _mm256_madd_epi16(k1, k2));
+    a7 = _mm256_add_epi32(a7, _mm256_madd_epi16(k3, k0));
+  }
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)),
+                                     _mm256_add_epi32(_mm256_add_epi32(a4, a5), _mm256_add_epi32(a6, a7)));
+  return _mm256_extract_epi32(s, 0);
+}
+
+TILEDECODE_TARGET_AVX2 int sign8_loop(std::int64_t iters) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i x0 = _mm256_set1_epi8(3), x1 = _mm256_set1_epi8(-5), x2 = _mm256_set1_epi8(7),
+          x3 = _mm256_set1_epi8(-9), y = _mm256_set1_epi8(11);
+  __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0;
+  for (std::int64_t i = 0; i < iters; ++i) {
+    asm volatile("" : "+x"(y), "+x"(x0), "+x"(x1), "+x"(x2), "+x"(x3));
+    c0 = _mm256_add_epi32(c0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x0, x0), _mm256_sign_epi8(y, x0)), ones));
+    c1 = _mm256_add_epi32(c1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x1, x1), _mm256_sign_epi8(y, x1)), ones));
+    c2 = _mm256_add_epi32(c2, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x2, x2), _mm256_sign_epi8(y, x2)), ones));
+    c3 = _mm256_add_epi32(c3, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x3, x3), _mm256_sign_epi8(y, x3)), ones));
+  }
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3));
+  return _mm256_extract_epi32(s, 0);
+}
+#endif
+
+// Best INT8 multiply-add rate (GOP/s, 2 OP per pair) of the two AVX2 instruction mixes.
+double cpu_int8_throughput_gops(double* madd16, double* sign8) {
+#if TILEDECODE_X86
+  if (!td::cpu::cpu_has_avx2()) return 0.0;
+  const std::int64_t iters = 20'000'000;
+  volatile int sink = 0;
+  const double s1 = best_cpu_seconds([&] { sink = sink + madd16_loop(iters); });
+  const double s2 = best_cpu_seconds([&] { sink = sink + sign8_loop(iters); });
+  *madd16 = double(iters) * 8 * 16 * 2 / s1 * 1e-9;
+  *sign8 = double(iters) * 4 * 32 * 2 / s2 * 1e-9;
+  return std::max(*madd16, *sign8);
+#else
+  *madd16 = *sign8 = 0;
+  return 0.0;
+#endif
+}
+
+double cpu_read_gbps(int threads) {
+  const std::size_t n = (std::size_t(256) << 20) / sizeof(std::uint64_t);
+  std::vector<std::uint64_t> buf(n, 1);
+  double best = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    std::vector<double> secs(threads);
+    std::vector<std::uint64_t> out(threads);
+    auto part = [&](int t) {
+      const std::size_t lo = n * t / threads, hi = n * (t + 1) / threads;
+      const double c0 = thread_cpu_us();
+      std::uint64_t a = 0, b = 0, c = 0, d = 0;
+      for (std::size_t i = lo; i + 4 <= hi; i += 4) {
+        a += buf[i];
+        b += buf[i + 1];
+        c += buf[i + 2];
+        d += buf[i + 3];
+      }
+      out[t] = a + b + c + d;
+      secs[t] = (thread_cpu_us() - c0) * 1e-6;
+    };
+    std::vector<std::thread> ts;
+    for (int t = 1; t < threads; ++t) ts.emplace_back(part, t);
+    part(0);
+    for (auto& th : ts) th.join();
+    volatile std::uint64_t sink = 0;
+    for (auto o : out) sink = sink + o;
+    best = std::min(best, *std::max_element(secs.begin(), secs.end()));
+  }
+  return double(n * sizeof(std::uint64_t)) / best * 1e-9;
 }
 
 // Relative L2 difference over entries that both sides define (masked scores excluded).
@@ -233,6 +456,7 @@ struct Row {
   std::string kernel, td_impl, peer_variant;
   int threads = 1, context = 0, batch = 0;
   double td_us = NAN, peer_us = NAN, golden_us = NAN;
+  Stat td_stat, peer_stat;
   std::vector<std::pair<std::string, double>> peer_variants;
   double pct = NAN, peer_pct = NAN, rel_err = NAN, rel_err_td_golden = NAN, rel_err_peer_golden = NAN;
   std::string bound;
@@ -316,7 +540,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (opt.quick && opt.min_time == 0.25) opt.min_time = 0.08;
+  if (opt.quick && opt.min_time == 0.1) opt.min_time = 0.05;
   const int max_threads = *std::max_element(opt.threads.begin(), opt.threads.end());
 
   const ModelConfig cfg = td::flash_config();
@@ -329,13 +553,28 @@ int main(int argc, char** argv) {
   std::printf("load average at start: %s\n", load_start.c_str());
   std::fflush(stdout);
 
+  // Ceilings: bench/ceilings.hpp (wall clock, median of 5) for reference, and the same loops
+  // timed by thread CPU time (best of 5), which the % of ceiling uses.
+  Ceilings wall_ce;
+  wall_ce.fma_gflops = tdbench::fp32_fma_gflops();
+  wall_ce.int8_gops = tdbench::int8_gops();
+  wall_ce.bw1 = tdbench::read_gbps(1);
+  wall_ce.bw2 = max_threads >= 2 ? tdbench::read_gbps(2) : wall_ce.bw1;
   Ceilings ce;
-  ce.fma_gflops = tdbench::fp32_fma_gflops();
-  ce.int8_gops = tdbench::int8_gops();
-  ce.bw1 = tdbench::read_gbps(1);
-  ce.bw2 = max_threads >= 2 ? tdbench::read_gbps(2) : ce.bw1;
-  std::printf("ceilings (per core): FP32 FMA %.1f GFLOP/s, INT8 MAC %.1f GOP/s; read bandwidth 1 core %.1f GB/s, 2 cores %.1f GB/s\n\n",
+  ce.fma_gflops = std::max(cpu_fma_gflops(), wall_ce.fma_gflops);
+  const double int8_chain = cpu_int8_gops();
+  double int8_madd16 = 0, int8_sign8 = 0;
+  ce.int8_gops = std::max({int8_chain, cpu_int8_throughput_gops(&int8_madd16, &int8_sign8), wall_ce.int8_gops});
+  ce.bw1 = std::max(cpu_read_gbps(1), wall_ce.bw1);
+  ce.bw2 = max_threads >= 2 ? std::max(cpu_read_gbps(2), wall_ce.bw2) : ce.bw1;
+  std::printf("ceilings (per core): FP32 FMA %.1f GFLOP/s, INT8 MAC %.1f GOP/s; read bandwidth 1 core %.1f GB/s, 2 cores %.1f GB/s\n",
               ce.fma_gflops, ce.int8_gops, ce.bw1, ce.bw2);
+  std::printf("  (bench/ceilings.hpp wall-clock medians: %.1f GFLOP/s, %.1f GOP/s, %.1f GB/s, %.1f GB/s)\n",
+              wall_ce.fma_gflops, wall_ce.int8_gops, wall_ce.bw1, wall_ce.bw2);
+  std::printf("  INT8 loops (CPU time): ceilings.hpp mix %.1f GOP/s (its inputs depend on the accumulators: a latency chain),\n"
+              "  vpmaddwd on int16 %.1f GOP/s, sign-trick mix without the chain %.1f GOP/s; the ceiling is the best of them\n",
+              int8_chain, int8_madd16, int8_sign8);
+  std::printf("times: 1 thread = median CPU time of the calling thread over interleaved samples; 2 threads = minimum wall time\n\n");
 
   std::printf("building weights...\n");
   std::fflush(stdout);
@@ -353,20 +592,32 @@ int main(int argc, char** argv) {
   td::ThreadPool pool1(1), pool2(std::max(2, max_threads));
   td::cpu::Context ctx{&pool1, isa};
   const auto defs = kernel_defs();
+  const bool want_layer = opt.filter.empty() || std::string("layer_csa").find(opt.filter) != std::string::npos;
+  std::unique_ptr<LayerModel> lm;
+  if (want_layer) lm = std::make_unique<LayerModel>(cfg, &pool2);
   std::vector<Row> rows;
 
   std::printf("%-17s %6s %3s %3s %11s %11s %11s %8s %8s %7s %-9s %8s %8s  %s\n", "kernel", "ctx", "B", "thr",
               "tiledecode", "peer", "golden", "x_peer", "x_golden", "%ceil", "bound", "err_peer", "err_gold", "peer variant / impl");
   for (const Point& p : points) {
     Case cs = make_case(cfg, p.batch, p.context);
+    std::unique_ptr<LayerCase> lc;
+    if (lm) lc = std::make_unique<LayerCase>(*lm, p.batch, p.context, max_threads);
+    Bench bench{w, cs, lm.get(), lc.get()};
     for (const KernelDef& k : defs) {
       if (!opt.filter.empty() && k.name.find(opt.filter) == std::string::npos) continue;
       if (!k.context_sweep && p.context != 8192) continue;
-      TdRunner tdr = k.td(w, cs, &ctx, max_threads);
+      TdRunner tdr = k.td(bench, &ctx, max_threads);
       std::vector<std::pair<std::string, Runner>> peers;
-      for (const auto& [name, make] : k.peers) peers.emplace_back(name, make(w, cs));
-      Runner gold = p.batch <= opt.golden_max_batch ? k.golden(w, cs) : Runner{};
-      const Cost cost = k.cost(w, cs);
+      for (const auto& [name, make] : k.peers) {
+        // The per-step-dequant peers convert every weight at every step; they are measured up
+        // to B = 4 (the layer's only at B = 4, 8k), where their conversion cost matters most.
+        if (name == "aten_dequant_per_step" && p.batch > 4) continue;
+        if (k.name == "layer_csa" && name == "aten_dequant_per_step" && !(p.batch == 4 && p.context == 8192)) continue;
+        peers.emplace_back(name, make(bench));
+      }
+      Runner gold = p.batch <= opt.golden_max_batch ? k.golden(bench) : Runner{};
+      const Cost cost = k.cost(bench);
       // Agreement on the same inputs (single thread): TileDecode vs the first peer variant.
       ctx.exec = &pool1;
       peer_set_threads(1, 1);
@@ -410,18 +661,21 @@ int main(int argc, char** argv) {
             const std::string label = thr > 1 ? name + "[aten" + std::to_string(thr) + ",blas" + std::to_string(bt) + "]" : name;
             items.push_back({label, &pr, [thr, bt] { peer_set_threads(thr, bt); }});
           }
-        const std::vector<double> us = measure_interleaved(items, opt.min_time, 3, 400);
-        r.td_us = us[0];
+        const std::vector<Stat> st = measure_interleaved(items, opt.min_time, p.batch >= 16 ? 2 : 3, 400);
+        r.td_stat = st[0];
+        r.td_us = headline(st[0], thr);
         for (std::size_t i = 1; i < items.size(); ++i) {
-          r.peer_variants.emplace_back(items[i].name, us[i]);
-          if (!(us[i] >= r.peer_us)) {
-            r.peer_us = us[i];
+          const double us = headline(st[i], thr);
+          r.peer_variants.emplace_back(items[i].name, us);
+          if (!(us >= r.peer_us)) {
+            r.peer_us = us;
             r.peer_variant = items[i].name;
+            r.peer_stat = st[i];
           }
         }
         ctx.exec = &pool1;
         peer_set_threads(1, 1);
-        if (gold && thr == 1) r.golden_us = measure_interleaved({{"golden", &gold, [] {}}}, 0.0, 1, 1)[0];
+        if (gold && thr == 1) r.golden_us = measure_interleaved({{"golden", &gold, [] {}}}, 0.0, 1, 1)[0].cpu_median;
         const double roof_us = roofline_s(cost, ce, thr) * 1e6;
         r.pct = 100.0 * roof_us / r.td_us;
         r.peer_pct = 100.0 * roof_us / r.peer_us;
@@ -452,6 +706,7 @@ int main(int argc, char** argv) {
     double bar = 2.0;
     if (k.name == "indexer") bar = 3.0;
     if (k.name.rfind("attn_", 0) == 0) bar = 1.25;
+    if (k.name == "layer_csa") bar = 3.0;
     const double x = r1->peer_us / r1->td_us;
     const bool scale_bar = k.name == "indexer" || k.name.rfind("attn_", 0) == 0;
     const double sc = r2 ? r1->td_us / r2->td_us : NAN;
@@ -469,7 +724,14 @@ int main(int argc, char** argv) {
       << "},\n";
     f << "  \"ceilings\": {\"fp32_fma_gflops\": " << json_num(ce.fma_gflops)
       << ", \"int8_gops\": " << json_num(ce.int8_gops) << ", \"read_gbps_1\": " << json_num(ce.bw1)
-      << ", \"read_gbps_2\": " << json_num(ce.bw2) << "},\n";
+      << ", \"read_gbps_2\": " << json_num(ce.bw2) << ", \"wall_clock\": {\"fp32_fma_gflops\": "
+      << json_num(wall_ce.fma_gflops) << ", \"int8_gops\": " << json_num(wall_ce.int8_gops)
+      << ", \"read_gbps_1\": " << json_num(wall_ce.bw1) << ", \"read_gbps_2\": " << json_num(wall_ce.bw2)
+      << "}, \"int8_loops_cpu\": {\"ceilings_hpp_mix\": " << json_num(int8_chain) << ", \"madd16\": " << json_num(int8_madd16)
+      << ", \"sign8_no_chain\": " << json_num(int8_sign8)
+      << "}},\n";
+    f << "  \"timing\": " << json_str("1 thread: median CPU time of the calling thread over interleaved samples; 2 threads: minimum wall time over interleaved samples") << ",\n";
+    f << "  \"min_time_s\": " << json_num(opt.min_time) << ",\n";
     f << "  \"quick\": " << (opt.quick ? "true" : "false") << ",\n  \"rows\": [\n";
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
@@ -477,6 +739,14 @@ int main(int argc, char** argv) {
         << ", \"context\": " << r.context << ", \"batch\": " << r.batch
         << ", \"tiledecode_us\": " << json_num(r.td_us) << ", \"peer_us\": " << json_num(r.peer_us)
         << ", \"ratio_vs_peer\": " << json_num(r.peer_us / r.td_us)
+        << ", \"tiledecode_wall_median_us\": " << json_num(r.td_stat.wall_median)
+        << ", \"tiledecode_wall_min_us\": " << json_num(r.td_stat.wall_min)
+        << ", \"tiledecode_cpu_median_us\": " << json_num(r.td_stat.cpu_median)
+        << ", \"peer_wall_median_us\": " << json_num(r.peer_stat.wall_median)
+        << ", \"peer_wall_min_us\": " << json_num(r.peer_stat.wall_min)
+        << ", \"peer_cpu_median_us\": " << json_num(r.peer_stat.cpu_median)
+        << ", \"tiledecode_process_cpu_median_us\": " << json_num(r.td_stat.proc_cpu_median)
+        << ", \"peer_process_cpu_median_us\": " << json_num(r.peer_stat.proc_cpu_median)
         << ", \"pct_of_ceiling\": " << json_num(r.pct) << ", \"peer_pct_of_ceiling\": " << json_num(r.peer_pct)
         << ", \"bound\": " << json_str(r.bound) << ", \"golden_us\": " << json_num(r.golden_us)
         << ", \"ratio_vs_golden\": " << json_num(r.golden_us / r.td_us)

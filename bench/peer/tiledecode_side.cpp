@@ -6,7 +6,10 @@
 #include <memory>
 #include <vector>
 
+#include "tiledecode/decode/step.hpp"
+#include "tiledecode/decode/workspace.hpp"
 #include "tiledecode/golden/compressor.hpp"
+#include "tiledecode/golden/decode_layer.hpp"
 #include "tiledecode/golden/indexer.hpp"
 #include "tiledecode/golden/output_projection.hpp"
 #include "tiledecode/golden/sparse_attention.hpp"
@@ -239,6 +242,43 @@ Runner make_golden_compressor(const Weights& w, Case& cs, int which) {
     }
   };
   r.output = [&cs, which] { return emitted_rows(cs, which); };
+  return r;
+}
+
+TdRunner make_td_layer(const LayerModel& m, LayerCase& lc, const td::cpu::Context* ctx,
+                       int max_threads) {
+  const ModelConfig& cfg = m.cfg;
+  const index_t T = lc.shape.tokens();
+  auto ws = std::make_shared<td::decode::Workspace>(cfg, lc.batch, lc.seq, std::size_t(max_threads));
+  auto out = std::make_shared<Tensor<float, 3>>(std::array<index_t, 3>{T, 4, cfg.hidden});
+  auto weights = std::make_shared<td::decode::LayerWeights>(m.w.view());
+  auto caches = std::make_shared<td::decode::LayerCaches>(lc.caches.view());
+  TdRunner r;
+  r.impl = "kernel";
+  r.run = [=, &lc, &m, &cfg] {
+    const td::decode::Backend be{td::decode::BackendKind::cpu, *ctx};
+    td::decode::csa_step(be, out->view(), lc.x_hc.view(), *weights, *caches, lc.md, m.rope.view(), *ws, cfg);
+  };
+  r.output = [out] {
+    return std::vector<float>(out->data(), out->data() + out->size());
+  };
+  return r;
+}
+
+Runner make_golden_layer(const LayerModel& m, LayerCase& lc) {
+  const ModelConfig& cfg = m.cfg;
+  const index_t T = lc.shape.tokens();
+  auto out = std::make_shared<Tensor<float, 3>>(std::array<index_t, 3>{T, 4, cfg.hidden});
+  auto weights = std::make_shared<td::decode::LayerWeights>(m.w.view());
+  auto caches = std::make_shared<td::decode::LayerCaches>(lc.caches.view());
+  Runner r;
+  r.run = [=, &lc, &m, &cfg] {
+    td::golden::decode_layer(out->view(), lc.x_hc.view(), *weights, *caches, lc.starts, lc.shape,
+                             lc.fx.tables(), m.rope.view(), cfg);
+  };
+  r.output = [out] {
+    return std::vector<float>(out->data(), out->data() + out->size());
+  };
   return r;
 }
 

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "peer/fixtures.hpp"
+#include "peer/layer_case.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
 
 namespace tdpeer {
@@ -23,10 +24,14 @@ TdRunner make_td_attention(const Weights& w, Case& cs, int ratio,
 TdRunner make_td_oproj(const Weights& w, Case& cs, const tiledecode::cpu::Context* ctx);
 TdRunner make_td_compressor(const Weights& w, Case& cs, int which,
                             const tiledecode::cpu::Context* ctx);
+// decode::csa_step on the layer case (output: x_out).
+TdRunner make_td_layer(const LayerModel& m, LayerCase& lc, const tiledecode::cpu::Context* ctx,
+                       int max_threads);
 
 Runner make_golden_indexer(const Weights& w, Case& cs);
 Runner make_golden_attention(const Weights& w, Case& cs, int ratio);
 Runner make_golden_oproj(const Weights& w, Case& cs);
 Runner make_golden_compressor(const Weights& w, Case& cs, int which);
+Runner make_golden_layer(const LayerModel& m, LayerCase& lc);
 
 }  // namespace tdpeer

@@ -145,20 +145,31 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   const bool small_ws = in.ConsumeProbability<float>() < 0.05f;
 
-  // Validation model (kernels/sparse_attention.hpp: validate).
-  bool valid = !small_ws;
+  // Validation model (kernels/sparse_attention.hpp: validate); `why` names the first violation.
+  const char* why = nullptr;
+  auto require = [&](bool ok, const char* what) {
+    if (!ok && why == nullptr) why = what;
+  };
+  require(!small_ws, "workspace");
   for (index_t t = 0; t < T; ++t) {
-    valid = valid && pos[t] >= 0 && pos[t] < cfg.max_seq_len && wlen[t] >= 0 && wlen[t] <= W;
-    for (index_t k = 0; k < W; ++k) valid = valid && widx[t * W + k] >= -1 && widx[t * W + k] < ori_rows;
+    require(pos[t] >= 0 && pos[t] < cfg.max_seq_len, "positions");
+    require(wlen[t] >= 0 && wlen[t] <= W, "window_lens");
+    for (index_t k = 0; k < W; ++k)
+      require(widx[t * W + k] >= -1 && widx[t * W + k] < ori_rows, "window_idx");
   }
-  for (float s : sink) valid = valid && std::isfinite(s);
+  for (float s : sink) require(std::isfinite(s), "attn_sink");
   if (kind != LayerKind::swa) {
-    valid = valid && cmp_rows % page == 0 && cmp_cols >= 1;
-    for (auto e : cmp_table) valid = valid && e < cmp_blocks;
+    require(cmp_rows % page == 0, "cmp_kv rows");
+    require(cmp_cols >= 1, "cmp_block_table cols");
+    for (auto e : cmp_table) require(e < cmp_blocks, "cmp_block_table entry");
   }
   if (kind == LayerKind::hca)
-    for (auto l : lens) valid = valid && l >= 0 && l <= cfg.max_seq_len;
-  if (kind == LayerKind::csa) valid = valid && topk_w >= cfg.idx_topk;
+    for (auto l : lens) require(l >= 0 && l <= cfg.max_seq_len, "kv_seq_lens");
+  if (kind == LayerKind::csa) require(topk_w >= cfg.idx_topk, "topk width");
+  const bool valid = why == nullptr;
+  if (g_verbose)
+    std::fprintf(stderr, "kind=%d B=%d S=%d isa=%d model: %s\n", int(kind), B, S, int(isa),
+                 why ? why : "valid");
 
   const td::ConstView<bf16, 3> qv(q.data(), {T, H, D});
   const td::ConstView<bf16, 2> kvv(kv.data(), {ori_rows, D}), cmpv(cmp.data(), {cmp_rows, D});
@@ -169,8 +180,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const td::ConstView<float, 1> sinkv(sink.data(), {H});
   const index_t out_rows = cfg.o_groups * T, out_cols = cfg.o_group_in();
   auto run = [&](td::Executor* exec, std::size_t slots, tdfuzz::Guarded<bf16>& out) {
-    std::size_t bytes = tk::sparse_attention_workspace_bytes(cfg, slots);
-    if (small_ws) bytes /= 2;
+    // small_ws: one byte less than the documented minimum (one slot) must be rejected.
+    const std::size_t bytes = small_ws ? tk::sparse_attention_workspace_bytes(cfg, 1) - 1
+                                       : tk::sparse_attention_workspace_bytes(cfg, slots);
     std::vector<std::byte> ws(bytes);
     tk::sparse_attention(td::cpu::Context{exec, isa}, cfg, kind,
                          td::View<bf16, 2>(out.data(), {out_rows, out_cols}), qv, kvv, cmpv, widxv,

@@ -147,37 +147,34 @@ constexpr index_t compressor_workspace_size(const ModelConfig& cfg, const Compre
 namespace detail {
 
 // ---------------------------------------------------------------------------------------------
-// Scalar twins of the AVX2 microkernels (same tiling, same candidate order).
+// Scalar twins of the AVX2 microkernels in backend/cpu/compressor_avx2.hpp (same tiling, same
+// lane-wise summation order, same candidate order; std::exp instead of the polynomial exp).
 
 // out[t*ld_out + r] = Σ_k x[t*ld_x + k] * w[r*ld_w + k]; 8 lane-wise partial sums per output.
 inline void project_rows_scalar(float* out, index_t ld_out, const float* x, index_t ld_x,
                                 index_t n_tok, const bf16* w, index_t ld_w, index_t n_rows,
                                 index_t d) {
   constexpr int G = cpu::kCompressorTokenGroup;
-  float acc[cpu::kCompressorRowBlock][G][8];  // (rows, tokens, lanes), 4 KB
   for (index_t tg = 0; tg < n_tok; tg += G) {
     const int nt = static_cast<int>(std::min<index_t>(G, n_tok - tg));
-    std::memset(acc, 0, sizeof(acc));
     const float* xg = x + tg * ld_x;
-    for (index_t k0 = 0; k0 < d; k0 += cpu::kCompressorKBlock) {
-      const index_t k1 = std::min<index_t>(d, k0 + cpu::kCompressorKBlock);
-      for (index_t r = 0; r < n_rows; ++r) {
-        const bf16* wr = w + r * ld_w;
-        for (index_t k = k0; k < k1; k += 8) {
-          float wf[8];
-          for (int l = 0; l < 8; ++l) wf[l] = wr[k + l].to_float();
-          for (int t = 0; t < nt; ++t) {
-            const float* xt = xg + t * ld_x + k;
-            for (int l = 0; l < 8; ++l) acc[r][t][l] += wf[l] * xt[l];
-          }
+    for (index_t r = 0; r < n_rows; ++r) {
+      float acc[G][8] = {};  // (tokens, lanes) partial sums of this row
+      const bf16* wr = w + r * ld_w;
+      for (index_t k = 0; k < d; k += 8) {
+        float wf[8];
+        for (int l = 0; l < 8; ++l) wf[l] = wr[k + l].to_float();
+        for (int t = 0; t < nt; ++t) {
+          const float* xt = xg + t * ld_x + k;
+          for (int l = 0; l < 8; ++l) acc[t][l] += wf[l] * xt[l];
         }
       }
-    }
-    for (index_t r = 0; r < n_rows; ++r)
       for (int t = 0; t < nt; ++t) {
-        const float* a = acc[r][t];
-        out[(tg + t) * ld_out + r] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+        const float* a = acc[t];
+        out[(tg + t) * ld_out + r] =
+            ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
       }
+    }
   }
 }
 
@@ -322,7 +319,7 @@ inline void check_compressor_args(std::string_view where, const ModelConfig& cfg
 }
 
 // ---------------------------------------------------------------------------------------------
-// The step, shared by both entry points; `emit(t, b, c, y)` stores one normalised row.
+// The step, shared by both entry points; `emit(slot)` stores the normalised row ws.y.
 
 struct CompressorWorkspace {
   float* x32;       // (T, D)

@@ -28,6 +28,7 @@
 //    indexer_avx2.hpp for the choice and the INT32 bounds); no clamping or validation of values.
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -75,12 +76,18 @@ inline void indexer_rope_positions(View<std::int32_t, 1> dst, ConstView<std::int
 //              columns nb*16..nb*16+15; byte [c*2 + (k & 1)] of pair row kp is W[2kp + (k&1), col]
 //   wq_b_scale (N) FP32
 //   hadamard   (128, 128) FP32 (exact values of the BF16 matrix)
+//   sylvester  the matrix is exactly s·(-1)^popcount(i&j) with s = hadamard_scale > 0 (the CSA
+//              rotation): the query path then uses a fast Walsh–Hadamard transform (7·128
+//              adds instead of 128² FMAs); any other matrix (e.g. the standalone reference
+//              test's random one) is multiplied as given.
 struct IndexerQueryWeights {
   int q_lora = 0;
   int n_heads = 0;
   Buffer<std::int8_t> wq_b;
   Buffer<float> wq_b_scale;
   Buffer<float> hadamard;
+  bool sylvester = false;
+  float hadamard_scale = 0.0f;
 };
 
 namespace detail {
@@ -179,6 +186,20 @@ inline void hadamard_row_scalar(float* qh, const float* x, const float* had) {
   }
 }
 
+// Scalar twin of cpu::avx2::fwht_128: in-place butterflies of stride 1, 2, …, 64, then × s.
+inline void fwht_128_scalar(float* qh, const float* x, float s) {
+  float v[kIndexerHeadDim];
+  std::copy(x, x + kIndexerHeadDim, v);
+  for (int len = 1; len < kIndexerHeadDim; len <<= 1)
+    for (int i = 0; i < kIndexerHeadDim; i += 2 * len)
+      for (int j = i; j < i + len; ++j) {
+        const float a = v[j], b = v[j + len];
+        v[j] = a + b;
+        v[j + len] = a - b;
+      }
+  for (int j = 0; j < kIndexerHeadDim; ++j) qh[j] = v[j] * s;
+}
+
 // INT32 products of one token's q-latent (int16-widened) with the 128 columns of one head,
 // read from the packed weight (the same pair sums as the AVX2 tile; integers, so exact anyway).
 inline void query_head_scalar(std::int32_t* out, const std::int16_t* a16, index_t K,
@@ -199,13 +220,18 @@ inline void query_head_scalar(std::int32_t* out, const std::int16_t* a16, index_
 template <int TT>
 inline void query_tile_avx2(std::int32_t* acc, float* x, float* qh, const std::int16_t* a16,
                             index_t K, const std::int8_t* wpk, const float* qs, const float* ws,
-                            const float* rc, const float* rs, const float* had,
+                            const float* rc, const float* rs, const IndexerQueryWeights& wq,
                             std::int8_t* const* q_out, float* const* sc_out) {
   cpu::avx2::query_head_tile<TT>(acc, a16, K, wpk);
   for (int tt = 0; tt < TT; ++tt)
     cpu::avx2::query_dequant_rope(x + tt * 128, acc + tt * 128, qs[tt], ws, rc + tt * 64,
                                   rs + tt * 64);
-  cpu::avx2::hadamard_tile<TT>(qh, x, had);
+  if (wq.sylvester) {
+    for (int tt = 0; tt < TT; ++tt)
+      cpu::avx2::fwht_128(qh + tt * 128, x + tt * 128, wq.hadamard_scale);
+  } else {
+    cpu::avx2::hadamard_tile<TT>(qh, x, wq.hadamard.data());
+  }
   for (int tt = 0; tt < TT; ++tt)
     *sc_out[tt] = cpu::avx2::quantize_q8_128(q_out[tt], qh + tt * 128);
 }
@@ -244,13 +270,23 @@ inline IndexerQueryWeights pack_indexer_query_weights(const ModelConfig& cfg,
   for (index_t i = 0; i < kIndexerHeadDim; ++i)
     for (index_t j = 0; j < kIndexerHeadDim; ++j)
       p.hadamard[std::size_t(i * kIndexerHeadDim + j)] = hadamard(i, j).to_float();
+  // Exact Sylvester pattern with one positive magnitude → FWHT in the query path.
+  const float sc = p.hadamard[0];
+  bool syl = sc > 0.0f && std::isfinite(sc);
+  for (index_t i = 0; i < kIndexerHeadDim && syl; ++i)
+    for (index_t j = 0; j < kIndexerHeadDim && syl; ++j) {
+      const bool neg = std::popcount(static_cast<std::uint64_t>(i & j)) & 1;
+      syl = p.hadamard[std::size_t(i * kIndexerHeadDim + j)] == (neg ? -sc : sc);
+    }
+  p.sylvester = syl;
+  p.hadamard_scale = syl ? sc : 0.0f;
   return p;
 }
 
 // Indexer query path (spec §7.1), per token t and head h:
 //   qi = (qr[t] @ idx_wq_b)_int32 * qr_scale[t] * idx_wq_b_scale
 //   x  = bf16([qi[0:64], rope_forward(qi[64:128], rope_pos[t])])      (interleaved pairs)
-//   qh = x @ hadamard ;  q_i8[t,h,:], q_sc[t,h] = Q8(qh)
+//   qh = x @ hadamard (a FWHT when the packed matrix is Sylvester) ; q_i8, q_sc = Q8(qh)
 // Shapes: q_i8 (T, heads, 128) INT8, q_sc (T, heads) FP32, qr (T, Q_LORA) INT8 (any value,
 // -128 included), qr_scale (T) FP32, rope_pos (T) INT32 in [0, rope.length()); rope: the
 // layer's table (CSA: compress_rope_theta + YaRN). Parallel over heads, token tiles of 4.
@@ -313,8 +349,7 @@ inline void indexer_query(const cpu::Context& ctx, const ModelConfig& cfg,
 #if TILEDECODE_X86
       if (isa == cpu::Isa::avx2) {
         const auto tile = [&]<int N>() {
-          detail::query_tile_avx2<N>(acc, x, qh, a16, K, wpk, qs, ws, rc, rs, wq.hadamard.data(),
-                                     q_out, sc_out);
+          detail::query_tile_avx2<N>(acc, x, qh, a16, K, wpk, qs, ws, rc, rs, wq, q_out, sc_out);
         };
         switch (nt) {
           case 4:
@@ -336,7 +371,11 @@ inline void indexer_query(const cpu::Context& ctx, const ModelConfig& cfg,
       for (int tt = 0; tt < nt; ++tt) {
         detail::query_head_scalar(acc, a16 + tt * K, K, wpk);
         detail::query_dequant_rope_scalar(x, acc, qs[tt], ws, rc + tt * 64, rs + tt * 64);
-        detail::hadamard_row_scalar(qh, x, wq.hadamard.data());
+        if (wq.sylvester) {
+          detail::fwht_128_scalar(qh, x, wq.hadamard_scale);
+        } else {
+          detail::hadamard_row_scalar(qh, x, wq.hadamard.data());
+        }
         *sc_out[tt] = quantize_q8(std::span<std::int8_t>(q_out[tt], kIndexerHeadDim),
                                   std::span<const float>(qh, kIndexerHeadDim));
       }

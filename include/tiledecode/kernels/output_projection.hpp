@@ -38,7 +38,7 @@ namespace tiledecode::kernels {
 namespace output_projection_detail {
 
 inline constexpr int kRowsPerTask = 32;   // wo_a rows per task
-inline constexpr int kKChunk = 512;       // wo_a reduction chunk (activations in L1)
+inline constexpr int kKChunk = 4096;       // wo_a reduction chunk (activations in L1)
 inline constexpr int kTokTile = 8;        // tokens sharing one widened weight vector
 inline constexpr int kChanPerTask = 32;   // wo_b output channels per task
 

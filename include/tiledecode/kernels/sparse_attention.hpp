@@ -63,12 +63,12 @@ constexpr std::size_t round16(std::size_t n) { return (n + 15) / 16 * 16; }
 struct SlotLayout {
   int ldk, lds, dim, heads;
   std::size_t kf, qf, s, o, stats, total;  // offsets (floats) and total size
-  explicit SlotLayout(int head_dim) : ldk(head_dim + 16), lds(kBlock + 8), dim(head_dim),
+  explicit SlotLayout(int head_dim) : ldk(head_dim + 16), lds(kHeadsPerItem), dim(head_dim),
                                       heads(kHeadsPerItem) {
     kf = 0;
     qf = kf + round16(std::size_t(kBlock) * ldk);
     s = qf + round16(std::size_t(heads) * dim);
-    o = s + round16(std::size_t(heads) * lds);
+    o = s + round16(std::size_t(kBlock) * lds);
     stats = o + round16(std::size_t(heads) * dim);
     total = stats + round16(std::size_t(6) * heads);
   }
@@ -81,29 +81,37 @@ struct ScalarOps {
     for (int i = 0; i < n; ++i)
       for (int d = 0; d < dim; ++d) kf[std::int64_t(i) * ldk + d] = rows[i][d].to_float();
   }
-  static void qk(float* s, int lds, const float* q, int ldq, int nh, const float* kf, int ldk,
+  // st (nc, lds): st[j, h] = scale · Σ_d kf[j, d] · qt[d, h]; qt (dim, ldq) transposed queries.
+  static void qk(float* st, int lds, const float* qt, int ldq, int nh, const float* kf, int ldk,
                  int nc, int dim, float scale) {
-    for (int h = 0; h < nh; ++h)
-      for (int j = 0; j < nc; ++j) {
+    for (int j = 0; j < nc; ++j)
+      for (int h = 0; h < nh; ++h) {
         float acc = 0;
-        for (int d = 0; d < dim; ++d) acc += q[std::int64_t(h) * ldq + d] * kf[std::int64_t(j) * ldk + d];
-        s[std::int64_t(h) * lds + j] = scale * acc;
+        for (int d = 0; d < dim; ++d) acc += qt[std::int64_t(d) * ldq + h] * kf[std::int64_t(j) * ldk + d];
+        st[std::int64_t(j) * lds + h] = scale * acc;
       }
   }
-  static void softmax_block(float* s, int lds, int nh, int nc, float* mb, float* lb) {
+  static void softmax_block(float* st, int lds, int nh, int nc, float* mb, float* lb) {
     for (int h = 0; h < nh; ++h) {
-      float* row = s + std::int64_t(h) * lds;
-      float m = row[0];
-      for (int j = 1; j < nc; ++j) m = std::max(m, row[j]);
+      float m = st[h];
+      for (int j = 1; j < nc; ++j) m = std::max(m, st[std::int64_t(j) * lds + h]);
       float l = 0;
       for (int j = 0; j < nc; ++j) {
-        const float e = std::exp(row[j] - m);
+        float& x = st[std::int64_t(j) * lds + h];
+        const float e = std::exp(x - m);
         l += e;
-        row[j] = round_bf16(e);
+        x = round_bf16(e);
       }
       mb[h] = m;
       lb[h] = l;
     }
+  }
+  static void divide_round(bf16* dst, const float* src, float den, int n) {
+    for (int d = 0; d < n; ++d) dst[d] = bf16(src[d] / den);
+  }
+  static void load_q_transposed(float* qt, int ldq, const bf16* const* q, int nh, int dim) {
+    for (int h = 0; h < nh; ++h)
+      for (int d = 0; d < dim; ++d) qt[std::int64_t(d) * ldq + h] = q[h][d].to_float();
   }
   static void pv_merge(float* o, int ldo, const float* p, int ldp, int nh, const float* kf, int ldk,
                        int nc, int dim, const float* alpha, const float* gamma, bool first) {
@@ -111,7 +119,7 @@ struct ScalarOps {
     for (int h = 0; h < nh; ++h) {
       std::fill(acc, acc + dim, 0.0f);
       for (int j = 0; j < nc; ++j) {
-        const float pj = p[std::int64_t(h) * ldp + j];
+        const float pj = p[std::int64_t(j) * ldp + h];
         const float* kr = kf + std::int64_t(j) * ldk;
         for (int d = 0; d < dim; ++d) acc[d] += pj * kr[d];
       }
@@ -133,6 +141,12 @@ struct Avx2Ops {
   }
   static void softmax_block(float* s, int lds, int nh, int nc, float* mb, float* lb) {
     cpu::avx2::sa_softmax_block(s, lds, nh, nc, mb, lb);
+  }
+  static void divide_round(bf16* dst, const float* src, float den, int n) {
+    cpu::avx2::sa_divide_round(dst, src, den, n);
+  }
+  static void load_q_transposed(float* qt, int ldq, const bf16* const* q, int nh, int dim) {
+    cpu::avx2::sa_load_q_transposed(qt, ldq, q, nh, dim);
   }
   static void pv_merge(float* o, int ldo, const float* p, int ldp, int nh, const float* kf, int ldk,
                        int nc, int dim, const float* alpha, const float* gamma, bool first) {
@@ -197,8 +211,8 @@ void run_item(const Args& a, float* ws, const SlotLayout& L, index_t t, int h0, 
   const ModelConfig& cfg = *a.cfg;
   const int dim = L.dim;
   float* kf = ws + L.kf;  // (≤128 valid rows, ldk)
-  float* qf = ws + L.qf;  // (nh heads, dim)
-  float* s = ws + L.s;    // (nh heads, lds): scores, then BF16-rounded probabilities
+  float* qt = ws + L.qf;  // (dim, heads): the item's queries, transposed
+  float* s = ws + L.s;    // (≤128 cols, lds = heads): scores, then BF16-rounded probabilities
   float* o = ws + L.o;    // (nh heads, dim): merged, unnormalised output
   float* m = ws + L.stats;
   float* l = m + L.heads;
@@ -207,18 +221,30 @@ void run_item(const Args& a, float* ws, const SlotLayout& L, index_t t, int h0, 
   float* alpha = lb + L.heads;
   float* gamma = alpha + L.heads;
 
-  for (int h = 0; h < nh; ++h) {
-    const bf16* qr = &a.q(t, h0 + h, 0);
-    for (int d = 0; d < dim; ++d) qf[std::int64_t(h) * dim + d] = qr[d].to_float();
+  {
+    const bf16* qrows[kHeadsPerItem];
+    for (int h = 0; h < nh; ++h) qrows[h] = &a.q(t, h0 + h, 0);
+    Ops::load_q_transposed(qt, L.heads, qrows, nh, dim);
   }
   const int n_blocks = cfg.attn_cols(a.kind) / kBlock;
-  const bf16* rows[kBlock];
+  const bf16* row_buf[2][kBlock];
+  int n_next = gather_block_rows(a, t, 0, row_buf[0]);
   bool first = true;
   for (int beta = 0; beta < n_blocks; ++beta) {
-    const int nv = gather_block_rows(a, t, beta, rows);
+    const bf16* const* rows = row_buf[beta % 2];
+    const int nv = n_next;
+    if (beta + 1 < n_blocks) {
+      // Gather the next block's row list now and start pulling its rows towards L2 while this
+      // block computes (the rows are scattered 1 KB runs the hardware prefetcher sees late).
+      const bf16** next = row_buf[(beta + 1) % 2];
+      n_next = gather_block_rows(a, t, beta + 1, next);
+      for (int i = 0; i < n_next; ++i)
+        for (int off = 0; off < dim * 2; off += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(next[i]) + off, 0, 2);
+    }
     if (nv == 0) continue;  // all-invalid block: exactly zero weight in the merge
     Ops::load_rows(kf, L.ldk, rows, nv, dim);
-    Ops::qk(s, L.lds, qf, dim, nh, kf, L.ldk, nv, dim, cfg.softmax_scale());
+    Ops::qk(s, L.lds, qt, L.heads, nh, kf, L.ldk, nv, dim, cfg.softmax_scale());
     Ops::softmax_block(s, L.lds, nh, nv, mb, lb);
     for (int h = 0; h < nh; ++h) {  // online merge of the block statistics (spec §8.3)
       if (first) {
@@ -248,7 +274,7 @@ void run_item(const Args& a, float* ws, const SlotLayout& L, index_t t, int h0, 
     } else {
       const float den = l[h] + std::exp(a.attn_sink(hg) - m[h]);
       const float* orow = o + std::int64_t(h) * dim;
-      for (int d = 0; d < nope; ++d) packed[d] = bf16(orow[d] / den);
+      Ops::divide_round(packed, orow, den, nope);
       for (int d = 0; d < cfg.rope_dim; ++d) tail[d] = orow[nope + d] / den;
       rope_inverse(std::span<float>(tail, cfg.rope_dim), a.rope.cos_row(p), a.rope.sin_row(p));
       for (int d = 0; d < cfg.rope_dim; ++d) packed[nope + d] = bf16(tail[d]);
@@ -268,8 +294,8 @@ inline void validate(const Args& a, std::size_t workspace_bytes, std::size_t slo
   check_equal(where, "cfg.attn_k_tile", cfg.attn_k_tile, kBlock);
   check_equal(where, "cfg.window", cfg.window, kBlock);
   check_equal(where, "cfg.rope_dim", cfg.rope_dim, 64);
-  if (cfg.n_heads % cfg.o_groups != 0 || cfg.n_heads % 4 != 0)
-    throw_arg(where, "cfg.n_heads", cfg.n_heads, "a multiple of 4 and of cfg.o_groups");
+  if (cfg.n_heads % cfg.o_groups != 0 || cfg.n_heads % 8 != 0)
+    throw_arg(where, "cfg.n_heads", cfg.n_heads, "a multiple of 8 and of cfg.o_groups");
   if (cfg.attn_cols(a.kind) % kBlock != 0)
     throw_arg(where, "cfg.attn_cols", cfg.attn_cols(a.kind), "a multiple of 128");
   const index_t T = a.q.extent(0), H = cfg.n_heads, D = cfg.head_dim;
@@ -363,7 +389,8 @@ void run(const cpu::Context& ctx, const Args& a, std::span<std::byte> workspace)
 
 // Workspace bytes for `threads` concurrent work items (pass ctx.exec->concurrency(); 1 for
 // serial). A smaller workspace is legal down to one slot (it limits parallelism, never results).
-// About 350 KB per slot: one FP32 KV block (128 × 528), q, scores and O for 16 heads.
+// About 555 KB per slot: one FP32 KV block (128 × 528), and for the item's 64 heads the
+// transposed queries (512 × 64), the scores (128 × 64) and the O accumulator (64 × 512).
 inline std::size_t sparse_attention_workspace_bytes(const ModelConfig& cfg, std::size_t threads) {
   const sparse_attention_detail::SlotLayout L(cfg.head_dim);
   return std::max<std::size_t>(1, threads) * L.bytes() + 64;

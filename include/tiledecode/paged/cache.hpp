@@ -60,7 +60,7 @@ inline void zero_row(E* dst, index_t width) {
   std::memset(static_cast<void*>(dst), 0, std::size_t(width) * sizeof(E));
 }
 
-// Gathers rows `slots[i]` (validated: -1 or in the pool) into dst rows, one task per token.
+// Gathers rows `slots[i]` (validated: -1 or in the pool) into dst rows, in order.
 template <class E, class I>
 void gather_rows_unchecked(View<E, 2> dst, View<std::uint8_t, 1> valid, ConstView<E, 2> pool,
                            ConstView<I, 1> slots) {

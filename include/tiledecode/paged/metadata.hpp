@@ -152,8 +152,9 @@ inline void validate_paged_slots(std::string_view where, std::string_view table_
   check_table(where, table_name, table, sh);
   check_num_blocks(where, "num_blocks", num_blocks, page);
   check_len(where, "slot_mapping.extent(0)", dst.extent(0), index_t(sh.tokens()));
-  for (index_t t = 0; t < sh.tokens(); ++t)
-    check_block(where, table_name, table, t / sh.seq, positions(t) / page, num_blocks);
+  for (index_t b = 0, t = 0; b < sh.batch; ++b)
+    for (index_t s = 0; s < sh.seq; ++s, ++t)
+      check_block(where, table_name, table, b, positions(t) / page, num_blocks);
 }
 // Only boundary tokens that are committed read the table (spec §3.5); only those are checked.
 inline void validate_compressed_slots(std::string_view where, std::string_view table_name,
@@ -164,27 +165,32 @@ inline void validate_compressed_slots(std::string_view where, std::string_view t
   check_table(where, table_name, table, sh);
   check_num_blocks(where, "num_blocks", num_blocks, page);
   check_len(where, "slot_mapping.extent(0)", dst.extent(0), index_t(sh.tokens()));
-  for (index_t t = 0; t < sh.tokens(); ++t) {
-    const index_t p = positions(t);
-    if ((p + 1) % ratio == 0 && (t % sh.seq) < sh.committed())
-      check_block(where, table_name, table, t / sh.seq, p / ratio / page, num_blocks);
+  for (index_t b = 0, t = 0; b < sh.batch; ++b) {
+    for (index_t s = 0; s < sh.seq; ++s, ++t) {
+      const index_t p = positions(t);
+      if ((p + 1) % ratio == 0 && s < sh.committed())
+        check_block(where, table_name, table, b, p / ratio / page, num_blocks);
+    }
   }
 }
 
 inline void fill_ori_slot_mapping(View<std::int64_t, 1> dst, ConstView<std::int32_t, 1> positions,
                                   ConstView<std::int32_t, 2> table, const StepShape& sh,
                                   index_t page) {
-  for (index_t t = 0; t < sh.tokens(); ++t) dst(t) = slot_of(table, t / sh.seq, positions(t), page);
+  for (index_t b = 0, t = 0; b < sh.batch; ++b)
+    for (index_t s = 0; s < sh.seq; ++s, ++t) dst(t) = slot_of(table, b, positions(t), page);
 }
 
 inline void fill_compressed_slot_mapping(View<std::int64_t, 1> dst,
                                          ConstView<std::int32_t, 1> positions,
                                          ConstView<std::int32_t, 2> table, int ratio,
                                          const StepShape& sh, index_t page) {
-  for (index_t t = 0; t < sh.tokens(); ++t) {
-    const index_t p = positions(t);
-    const bool boundary = (p + 1) % ratio == 0 && (t % sh.seq) < sh.committed();
-    dst(t) = boundary ? slot_of(table, t / sh.seq, p / ratio, page) : -1;
+  for (index_t b = 0, t = 0; b < sh.batch; ++b) {
+    for (index_t s = 0; s < sh.seq; ++s, ++t) {
+      const index_t p = positions(t);
+      const bool boundary = (p + 1) % ratio == 0 && s < sh.committed();
+      dst(t) = boundary ? slot_of(table, b, p / ratio, page) : -1;
+    }
   }
 }
 

@@ -20,11 +20,12 @@
 //                        blocks (NSPLIT=4) read it back and run the same epilogue
 //   topk         vector, T blocks: mask >= vis_t, Sort32 runs, three 4-way merge passes to two
 //                        sorted 2048 halves, merge of the two top-512 candidate lists
-//   inner_cmp.*  the inner compressor (§6.4) that refreshes the index cache before scoring:
-//                projections (cube), pooling + RMSNorm + RoPE (vector), Hadamard (cube), Q8 +
-//                cache write (vector). These launches are TIMING-ONLY (timing.hpp): the index
-//                cache passed in is taken as already refreshed, and the functional results
-//                (score, top-k) are those of the query path, weights, score and top-k launches.
+//   inner_cmp.*  the inner compressor (§6.4) that refreshes the index cache before scoring
+//                (compressor.hpp): projections (cube), state write + pooling + RMSNorm + RoPE
+//                (vector), Hadamard (cube), Q8 + cache write (vector). Functional when the
+//                caller passes an `InnerCompressorStep` (whose outputs must alias the index
+//                cache the score reads); without one the same launches are issued timing-only
+//                (timing.hpp) and the index cache passed in is taken as already refreshed.
 //
 // Score tail [AMBIGUOUS §7.4 / §11.4]: every column >= vis_t is written NEG_BIG (the vector
 // cores of each lane fill the tail pages they own), so the output is fully defined.
@@ -38,6 +39,7 @@
 #include <span>
 #include <string>
 
+#include "tiledecode/backend/a2a3/compressor.hpp"
 #include "tiledecode/backend/a2a3/machine.hpp"
 #include "tiledecode/backend/a2a3/memory.hpp"
 #include "tiledecode/backend/a2a3/timing.hpp"
@@ -50,12 +52,12 @@
 
 namespace tiledecode::a2a3 {
 
-inline constexpr int kIdxPage = 128;        // REDUCE_TILE = one cache page
-inline constexpr int kIdxHeads = 64;        // indexer heads
-inline constexpr int kIdxDim = 128;         // indexer head dim
-inline constexpr int kFusedNSplit = 2;      // REDUCE_NSPLIT of the fused scope
-inline constexpr int kTwoScopeNSplit = 4;   // NSPLIT of the earlier score_reduce scope
-inline constexpr int kCubeRowPad = 16;      // cube fractal rows: T is padded to 16
+inline constexpr int kIdxPage = 128;       // REDUCE_TILE = one cache page
+inline constexpr int kIdxHeads = 64;       // indexer heads
+inline constexpr int kIdxDim = 128;        // indexer head dim
+inline constexpr int kFusedNSplit = 2;     // REDUCE_NSPLIT of the fused scope
+inline constexpr int kTwoScopeNSplit = 4;  // NSPLIT of the earlier score_reduce scope
+inline constexpr int kCubeRowPad = 16;     // cube fractal rows: T is padded to 16
 
 // --- static buffer plan of the fused score scope (compile-time capacity checks) ---
 using IdxRingSlot = StaticTile<std::int32_t, Space::ub, kIdxPage, kIdxHeads>;  // 32 KiB
@@ -69,32 +71,34 @@ inline constexpr int kIdxRingSlots = 2;
 static_assert(idx_score_ub_fits_v<kIdxRingSlots>, "fused score UB plan must fit");
 static_assert(!idx_score_ub_fits_v<8>, "an 8-slot ring of 32 KiB cannot fit beside the epilogue");
 
-using IdxL1Plan = Replicated<StaticTile<std::int8_t, Space::l1, kIdxPage, kIdxDim>, 3>;  // q + 2 pages
+using IdxL1Plan =
+    Replicated<StaticTile<std::int8_t, Space::l1, kIdxPage, kIdxDim>, 3>;  // q + 2 pages
 static_assert(fits_v<Space::l1, IdxL1Plan>);
-static_assert(fits_v<Space::l0c, Replicated<StaticTile<std::int32_t, Space::l0c, kIdxPage, kIdxHeads>, 2>>);
+static_assert(
+    fits_v<Space::l0c, Replicated<StaticTile<std::int32_t, Space::l0c, kIdxPage, kIdxHeads>, 2>>);
 
 // Inputs of the indexer (shapes for T = B*S tokens; rows of the index pool = blocks * 128).
 struct IndexerInputs {
-  ConstView<bf16, 2> x_n;                  // (T, D) attention-normed hidden
-  ConstView<std::int8_t, 2> qr;            // (T, Q_LORA) INT8 q-latent
-  ConstView<float, 1> qr_scale;            // (T)
-  ConstView<std::int8_t, 2> wq_b;          // (Q_LORA, 64*128) idx_wq_b
-  ConstView<float, 1> wq_b_scale;          // (64*128) per output column
-  ConstView<bf16, 2> weights_proj;         // (D, 64)
-  ConstView<bf16, 2> hadamard;             // (128, 128)
-  RopeTableView rope;                      // CSA/HCA (YaRN) table, rows = positions
-  ConstView<std::int32_t, 1> positions;    // (T)
-  ConstView<std::int32_t, 1> kv_seq_lens;  // (B)
-  ConstView<std::int8_t, 2> idx_kv;        // (pool rows, 128) index cache
-  ConstView<float, 1> idx_scale;           // (pool rows)
+  ConstView<bf16, 2> x_n;                      // (T, D) attention-normed hidden
+  ConstView<std::int8_t, 2> qr;                // (T, Q_LORA) INT8 q-latent
+  ConstView<float, 1> qr_scale;                // (T)
+  ConstView<std::int8_t, 2> wq_b;              // (Q_LORA, 64*128) idx_wq_b
+  ConstView<float, 1> wq_b_scale;              // (64*128) per output column
+  ConstView<bf16, 2> weights_proj;             // (D, 64)
+  ConstView<bf16, 2> hadamard;                 // (128, 128)
+  RopeTableView rope;                          // CSA/HCA (YaRN) table, rows = positions
+  ConstView<std::int32_t, 1> positions;        // (T)
+  ConstView<std::int32_t, 1> kv_seq_lens;      // (B)
+  ConstView<std::int8_t, 2> idx_kv;            // (pool rows, 128) index cache
+  ConstView<float, 1> idx_scale;               // (pool rows)
   ConstView<std::int32_t, 2> idx_block_table;  // (B, table cols)
-  int seq = 2;                             // S
-  int offset = 0;                          // added to emitted top-k ids (0 in the CSA layer)
+  int seq = 2;                                 // S
+  int offset = 0;                              // added to emitted top-k ids (0 in the CSA layer)
 };
 
 struct IndexerOutputs {
-  View<float, 2> score;         // (T, 4096) FP32; NEG_BIG at/after vis_t
-  View<std::int32_t, 2> topk;   // (T, 4096) INT32; first min(512, vis_t) ids + offset, rest -1
+  View<float, 2> score;        // (T, 4096) FP32; NEG_BIG at/after vis_t
+  View<std::int32_t, 2> topk;  // (T, 4096) INT32; first min(512, vis_t) ids + offset, rest -1
 };
 
 // Intermediate GM tensors of the indexer launches.
@@ -160,12 +164,13 @@ inline void check_indexer(const IndexerInputs& in, const IndexerOutputs& out,
                          cfg.max_seq_len + 1);
     check_range<index_t>(w, "rope position (start_b)", in.positions(b * in.seq), 0,
                          in.rope.length());
-    const index_t vis = std::min<index_t>({in.kv_seq_lens(b) / 4, (in.positions(t) + 1) / 4,
-                                           cfg.score_len()});
+    const index_t vis =
+        std::min<index_t>({in.kv_seq_lens(b) / 4, (in.positions(t) + 1) / 4, cfg.score_len()});
     const index_t pages = (vis + kIdxPage - 1) / kIdxPage;
     check_at_least(w, "idx_block_table.extent(1)", in.idx_block_table.extent(1), pages);
     for (index_t p = 0; p < pages; ++p)
-      check_range<index_t>(w, "idx_block_table[" + std::to_string(b) + "," + std::to_string(p) + "]",
+      check_range<index_t>(w,
+                           "idx_block_table[" + std::to_string(b) + "," + std::to_string(p) + "]",
                            in.idx_block_table(b, p), -1, pool_blocks);
   }
 }
@@ -188,12 +193,14 @@ inline void indexer_query_and_weights(Machine& m, const IndexerInputs& in, Index
     auto a_l1 = c.alloc<std::int8_t>(Space::l1, "qr", kCubeRowPad, K);
     std::array<Tile<std::int8_t>, 2> w_l1{c.alloc<std::int8_t>(Space::l1, "wq_b[0]", 256, 512),
                                           c.alloc<std::int8_t>(Space::l1, "wq_b[1]", 256, 512)};
-    std::array<Tile<std::int8_t>, 2> a_l0{c.alloc<std::int8_t>(Space::l0a, "qr_l0[0]", kCubeRowPad, 256),
-                                          c.alloc<std::int8_t>(Space::l0a, "qr_l0[1]", kCubeRowPad, 256)};
+    std::array<Tile<std::int8_t>, 2> a_l0{
+        c.alloc<std::int8_t>(Space::l0a, "qr_l0[0]", kCubeRowPad, 256),
+        c.alloc<std::int8_t>(Space::l0a, "qr_l0[1]", kCubeRowPad, 256)};
     std::array<Tile<std::int8_t>, 2> b_l0{c.alloc<std::int8_t>(Space::l0b, "w_l0[0]", 128, 256),
                                           c.alloc<std::int8_t>(Space::l0b, "w_l0[1]", 128, 256)};
-    std::array<Tile<std::int32_t>, 2> acc{c.alloc<std::int32_t>(Space::l0c, "acc[0]", kCubeRowPad, 512),
-                                          c.alloc<std::int32_t>(Space::l0c, "acc[1]", kCubeRowPad, 512)};
+    std::array<Tile<std::int32_t>, 2> acc{
+        c.alloc<std::int32_t>(Space::l0c, "acc[0]", kCubeRowPad, 512),
+        c.alloc<std::int32_t>(Space::l0c, "acc[1]", kCubeRowPad, 512)};
     std::fill_n(a_l1.data(), a_l1.size(), std::int8_t(0));  // pad rows are zero
     c.copy_in(a_l1, 0, in.qr, "qr_in");
     int step = 0;
@@ -202,13 +209,15 @@ inline void indexer_query_and_weights(Machine& m, const IndexerInputs& in, Index
       auto& cacc = acc[std::size_t(half)];
       for (index_t kt = 0; kt < K / 256; ++kt, ++step) {
         auto& wl1 = w_l1[std::size_t(step % 2)];
-        c.copy_in(wl1, 0, in.wq_b.slice(0, kt * 256, kt * 256 + 256).slice(1, nh, nh + 512), "wq_b_in");
+        c.copy_in(wl1, 0, in.wq_b.slice(0, kt * 256, kt * 256 + 256).slice(1, nh, nh + 512),
+                  "wq_b_in");
         auto& al0 = a_l0[std::size_t(step % 2)];
         c.load_l0(al0, a_l1, 0, kCubeRowPad, kt * 256, 256, false, "qr_l0");
         for (index_t nc = 0; nc < 4; ++nc) {
           auto& bl0 = b_l0[std::size_t(nc % 2)];
           c.load_l0(bl0, wl1, 0, 256, nc * 128, 128, /*transpose=*/true, "w_l0");
-c.mmad(cacc, al0, bl0, T, 128, 256, kt > 0, "qr_mmad", nc * 128);  // pads to 16 rows in cost
+          c.mmad(cacc, al0, bl0, T, 128, 256, kt > 0, "qr_mmad",
+                 nc * 128);  // pads to 16 rows in cost
         }
       }
       c.copy_out(ws.qi_acc.view().slice(1, nh, nh + 512), cacc, 0, "qi_out");
@@ -228,13 +237,19 @@ c.mmad(cacc, al0, bl0, T, 128, 256, kt > 0, "qr_mmad", nc * 128);  // pads to 16
     v.copy_in(rot, 0, ConstView<bf16, 2>(in.rope.cos_row(start), {1, 64}), "cos_in");
     v.copy_in(rot, 1, ConstView<bf16, 2>(in.rope.sin_row(start), {1, 64}), "sin_in");
     const float rs = in.qr_scale(t);
-    v.vec("dequant", N, 4, {&acc.state(), &cs.state()}, {&f.state()}, [&] {
-      for (index_t i = 0; i < N; ++i) f.data()[i] = float(acc.data()[i]) * rs * cs.data()[i];
-    }, 2.0);
-    v.vec("rope_fwd", kIdxHeads * 64, 4, {&f.state(), &rot.state()}, {&f.state()}, [&] {
-      for (index_t h = 0; h < kIdxHeads; ++h)
-        rope_forward(std::span<float>(f.row(h) + 64, 64), rot.row(0), rot.row(1));
-    }, 4.0);
+    v.vec(
+        "dequant", N, 4, {&acc.state(), &cs.state()}, {&f.state()},
+        [&] {
+          for (index_t i = 0; i < N; ++i) f.data()[i] = float(acc.data()[i]) * rs * cs.data()[i];
+        },
+        2.0);
+    v.vec(
+        "rope_fwd", kIdxHeads * 64, 4, {&f.state(), &rot.state()}, {&f.state()},
+        [&] {
+          for (index_t h = 0; h < kIdxHeads; ++h)
+            rope_forward(std::span<float>(f.row(h) + 64, 64), rot.row(0), rot.row(1));
+        },
+        4.0);
     v.vec("cast_bf16", N, 4, {&f.state()}, {&o.state()}, [&] {
       for (index_t i = 0; i < N; ++i) o.data()[i] = bf16(f.data()[i]);
     });
@@ -265,11 +280,14 @@ c.mmad(cacc, al0, bl0, T, 128, 256, kt > 0, "qr_mmad", nc * 128);  // pads to 16
     auto s = v.alloc<float>(Space::ub, "q_sc", 1, kIdxHeads);
     v.copy_in(x, 0, ConstView<float, 2>(ws.qh.view().slice(0, r0, r0 + kIdxHeads)), "qh_in");
     v.vec("amax", kIdxHeads * kIdxDim, 4, {&x.state()}, {&s.state()}, [] {});
-    v.vec("quant", kIdxHeads * kIdxDim, 4, {&x.state(), &s.state()}, {&q.state(), &s.state()}, [&] {
-      for (index_t h = 0; h < kIdxHeads; ++h)
-        s(0, h) = quantize_q8(std::span<std::int8_t>(q.row(h), kIdxDim),
-                              std::span<const float>(x.row(h), kIdxDim));
-    }, 3.0);
+    v.vec(
+        "quant", kIdxHeads * kIdxDim, 4, {&x.state(), &s.state()}, {&q.state(), &s.state()},
+        [&] {
+          for (index_t h = 0; h < kIdxHeads; ++h)
+            s(0, h) = quantize_q8(std::span<std::int8_t>(q.row(h), kIdxDim),
+                                  std::span<const float>(x.row(h), kIdxDim));
+        },
+        3.0);
     v.copy_out(ws.q_i8.view().slice(0, r0, r0 + kIdxHeads), q, 0, "q_i8_out");
     v.copy_out(View<float, 2>(ws.q_sc.data() + r0, {1, kIdxHeads}), s, 0, "q_sc_out");
   });
@@ -291,8 +309,8 @@ c.mmad(cacc, al0, bl0, T, 128, 256, kt > 0, "qr_mmad", nc * 128);  // pads to 16
     for (index_t kt = 0; kt < ks / 256; ++kt) {
       c.load_l0(a0[std::size_t(kt % 2)], x1, 0, kCubeRowPad, kt * 256, 256, false, "x_l0");
       c.load_l0(b0[std::size_t(kt % 2)], w1, kt * 256, 256, 0, kIdxHeads, true, "wp_l0");
-      c.mmad(acc, a0[std::size_t(kt % 2)], b0[std::size_t(kt % 2)], T, kIdxHeads, 256,
-             kt > 0, "weights_mmad");
+      c.mmad(acc, a0[std::size_t(kt % 2)], b0[std::size_t(kt % 2)], T, kIdxHeads, 256, kt > 0,
+             "weights_mmad");
     }
     c.copy_out(ws.w_part.view().row(blk.index), acc, 0, "w_part_out");
   });
@@ -317,20 +335,24 @@ c.mmad(cacc, al0, bl0, T, 128, 256, kt > 0, "qr_mmad", nc * 128);  // pads to 16
 // Vector epilogue of one page (spec §7.4): INT32 -> FP32, x q scale per head column, ReLU,
 // x weight per head, row-sum over heads, x key scale per position, NEG_BIG at/after `valid`.
 struct ScoreEpilogue {
-  Tile<float> f;      // (128, 64)
-  Tile<float> qs_w;   // (2, 64): q scale, weights
-  Tile<float> ksc;    // (1, 128) per page (double buffered by the caller)
-  Tile<float> out;    // (1, 128)
+  Tile<float> f;     // (128, 64)
+  Tile<float> qs_w;  // (2, 64): q scale, weights
+  Tile<float> ksc;   // (1, 128) per page (double buffered by the caller)
+  Tile<float> out;   // (1, 128)
 };
 inline void score_epilogue(VectorCore& v, Tile<std::int32_t> d, const ScoreEpilogue& e,
                            index_t valid) {
   v.vec("cast_f32", kIdxPage * kIdxHeads, 4, {&d.state()}, {&e.f.state()}, [&] {
     for (index_t i = 0; i < kIdxPage * kIdxHeads; ++i) e.f.data()[i] = float(d.data()[i]);
   });
-  v.vec("mul_qscale_relu", kIdxPage * kIdxHeads, 4, {&e.f.state(), &e.qs_w.state()}, {&e.f.state()}, [&] {
-    for (index_t r = 0; r < kIdxPage; ++r)
-      for (index_t h = 0; h < kIdxHeads; ++h) e.f(r, h) = std::max(e.qs_w(0, h) * e.f(r, h), 0.0f);
-  }, 2.0);
+  v.vec(
+      "mul_qscale_relu", kIdxPage * kIdxHeads, 4, {&e.f.state(), &e.qs_w.state()}, {&e.f.state()},
+      [&] {
+        for (index_t r = 0; r < kIdxPage; ++r)
+          for (index_t h = 0; h < kIdxHeads; ++h)
+            e.f(r, h) = std::max(e.qs_w(0, h) * e.f(r, h), 0.0f);
+      },
+      2.0);
   v.vec("mul_w", kIdxPage * kIdxHeads, 4, {&e.f.state(), &e.qs_w.state()}, {&e.f.state()}, [&] {
     for (index_t r = 0; r < kIdxPage; ++r)
       for (index_t h = 0; h < kIdxHeads; ++h) e.f(r, h) = e.qs_w(1, h) * e.f(r, h);
@@ -342,10 +364,13 @@ inline void score_epilogue(VectorCore& v, Tile<std::int32_t> d, const ScoreEpilo
       e.out(0, r) = s;
     }
   });
-  v.vec("mul_kscale_mask", kIdxPage, 4, {&e.out.state(), &e.ksc.state()}, {&e.out.state()}, [&] {
-    for (index_t r = 0; r < kIdxPage; ++r)
-      e.out(0, r) = r < valid ? std::max(e.ksc(0, r) * e.out(0, r), kNegBig) : kNegBig;
-  }, 2.0);
+  v.vec(
+      "mul_kscale_mask", kIdxPage, 4, {&e.out.state(), &e.ksc.state()}, {&e.out.state()},
+      [&] {
+        for (index_t r = 0; r < kIdxPage; ++r)
+          e.out(0, r) = r < valid ? std::max(e.ksc(0, r) * e.out(0, r), kNegBig) : kNegBig;
+      },
+      2.0);
 }
 
 // Copies the key page of logical page `p` of request b into `dst` (contiguous page, one DMA).
@@ -422,8 +447,9 @@ inline void score_fill_tail(VectorCore& v, const ScoreVecBufs& bf, View<float, 2
                             const ModelConfig& cfg) {
   const index_t total = cfg.score_len() / kIdxPage;
   for (index_t p = first_page; p < total; p += step)
-    if (p >= n_pages) v.copy_out(score.slice(0, t, t + 1).slice(1, p * kIdxPage, (p + 1) * kIdxPage),
-                                 bf.tail, 0, "neg_big_out");
+    if (p >= n_pages)
+      v.copy_out(score.slice(0, t, t + 1).slice(1, p * kIdxPage, (p + 1) * kIdxPage), bf.tail, 0,
+                 "neg_big_out");
 }
 
 inline void indexer_score_fused(Machine& m, const IndexerInputs& in, const IndexerOutputs& out,
@@ -439,7 +465,10 @@ inline void indexer_score_fused(Machine& m, const IndexerInputs& in, const Index
     Ring<std::int32_t> ring0(c, blk.vec0, "score_ring", ring_slots, kIdxPage, kIdxHeads);
     Ring<std::int32_t> ring1(c, blk.vec1, "score_ring", ring_slots, kIdxPage, kIdxHeads);
     ScoreVecBufs vb[2] = {alloc_score_vec(blk.vec0, ws, t), alloc_score_vec(blk.vec1, ws, t)};
-    c.copy_in(cb.q_l1, 0, ConstView<std::int8_t, 2>(ws.q_i8.view().slice(0, t * kIdxHeads, (t + 1) * kIdxHeads)), "q_i8_in");
+    c.copy_in(
+        cb.q_l1, 0,
+        ConstView<std::int8_t, 2>(ws.q_i8.view().slice(0, t * kIdxHeads, (t + 1) * kIdxHeads)),
+        "q_i8_in");
     c.load_l0(cb.q_l0, cb.q_l1, 0, kIdxHeads, 0, kIdxDim, false, "q_l0");
     std::vector<index_t> pages;
     for (index_t p = split; p < n_pages; p += kFusedNSplit) pages.push_back(p);
@@ -464,7 +493,8 @@ inline void indexer_score_fused(Machine& m, const IndexerInputs& in, const Index
     if (!pages.empty()) vector_step(int(pages.size()) - 1);
     // The tail pages this lane owns: AIV 0 and AIV 1 take alternate ones.
     score_fill_tail(blk.vec0, vb[0], out.score, t, split, 2 * kFusedNSplit, n_pages, cfg);
-    score_fill_tail(blk.vec1, vb[1], out.score, t, split + kFusedNSplit, 2 * kFusedNSplit, n_pages, cfg);
+    score_fill_tail(blk.vec1, vb[1], out.score, t, split + kFusedNSplit, 2 * kFusedNSplit, n_pages,
+                    cfg);
   });
 }
 
@@ -476,7 +506,10 @@ inline void indexer_score_two_scope(Machine& m, const IndexerInputs& in, const I
     const index_t b = t / in.seq, n_pages = (indexer_vis(in, cfg, t) + kIdxPage - 1) / kIdxPage;
     CubeCore& c = blk.cube;
     ScoreCubeBufs cb = alloc_score_cube(c);
-    c.copy_in(cb.q_l1, 0, ConstView<std::int8_t, 2>(ws.q_i8.view().slice(0, t * kIdxHeads, (t + 1) * kIdxHeads)), "q_i8_in");
+    c.copy_in(
+        cb.q_l1, 0,
+        ConstView<std::int8_t, 2>(ws.q_i8.view().slice(0, t * kIdxHeads, (t + 1) * kIdxHeads)),
+        "q_i8_in");
     c.load_l0(cb.q_l0, cb.q_l1, 0, kIdxHeads, 0, kIdxDim, false, "q_l0");
     int j = 0;
     for (index_t p = split; p < n_pages; p += kFusedNSplit, ++j) {
@@ -492,14 +525,16 @@ inline void indexer_score_two_scope(Machine& m, const IndexerInputs& in, const I
     const index_t n_pages = (vis + kIdxPage - 1) / kIdxPage;
     VectorCore& v = blk.vec;
     ScoreVecBufs vb = alloc_score_vec(v, ws, t);
-    std::array<Tile<std::int32_t>, 2> d{v.alloc<std::int32_t>(Space::ub, "scratch[0]", kIdxPage, kIdxHeads),
-                                        v.alloc<std::int32_t>(Space::ub, "scratch[1]", kIdxPage, kIdxHeads)};
+    std::array<Tile<std::int32_t>, 2> d{
+        v.alloc<std::int32_t>(Space::ub, "scratch[0]", kIdxPage, kIdxHeads),
+        v.alloc<std::int32_t>(Space::ub, "scratch[1]", kIdxPage, kIdxHeads)};
     int j = 0;
     for (index_t p = split; p < n_pages; p += kTwoScopeNSplit, ++j) {
       const ScoreEpilogue& e = vb.e[j % 2];
       const index_t r0 = t * L + p * kIdxPage;
       v.copy_in(d[std::size_t(j % 2)], 0,
-                ConstView<std::int32_t, 2>(ws.scratch.view().slice(0, r0, r0 + kIdxPage)), "scratch_in");
+                ConstView<std::int32_t, 2>(ws.scratch.view().slice(0, r0, r0 + kIdxPage)),
+                "scratch_in");
       load_page_scale(v, e.ksc, in, b, p);
       score_epilogue(v, d[std::size_t(j % 2)], e, vis - p * kIdxPage);
       v.copy_out(out.score.slice(0, t, t + 1).slice(1, p * kIdxPage, (p + 1) * kIdxPage), e.out, 0,
@@ -532,7 +567,8 @@ inline void merge_runs(ScorePair* dst, const ScorePair* src, index_t n, index_t 
       index_t best = -1;
       for (index_t w = 0; w < ways; ++w) {
         if (pos[std::size_t(w)] >= end[std::size_t(w)]) continue;
-        if (best < 0 || pair_before(src[pos[std::size_t(w)]], src[pos[std::size_t(best)]])) best = w;
+        if (best < 0 || pair_before(src[pos[std::size_t(w)]], src[pos[std::size_t(best)]]))
+          best = w;
       }
       dst[g + o] = src[pos[std::size_t(best)]++];
     }
@@ -580,22 +616,41 @@ inline void indexer_topk(Machine& m, const IndexerInputs& in, const IndexerOutpu
 
 }  // namespace detail
 
+// The inner compressor step run inside the indexer (its outputs alias IndexerInputs::idx_kv /
+// idx_scale, which the score then reads).
+struct InnerCompressorStep {
+  CompressorInputs in;
+  CompressorOutputs out;
+  CompressorWorkspace* ws = nullptr;
+};
+
 // Runs the whole indexer (§7: query path, weights, inner compressor, score, top-k) on the model.
 // `design` picks the score schedule; `ring_slots` is the fused scope's cube->vector ring depth
 // (2 in PR #831; a depth whose slots do not fit UB beside the epilogue is rejected at plan
-// time); `inner_compressor` adds the (timing-only) inner-compressor launches.
+// time); `inner` runs the inner compressor functionally; with `inner == nullptr` and
+// `inner_compressor_timing` its launches are issued timing-only.
 // Returns the kernel report (one entry per launch).
 inline KernelReport indexer(Machine& m, const IndexerInputs& in, const IndexerOutputs& out,
                             IndexerWorkspace& ws, const ModelConfig& cfg,
-                            ScoreDesign design = ScoreDesign::fused,
-                            int ring_slots = kIdxRingSlots, bool inner_compressor = true) {
+                            ScoreDesign design = ScoreDesign::fused, int ring_slots = kIdxRingSlots,
+                            const InnerCompressorStep* inner = nullptr,
+                            bool inner_compressor_timing = true) {
   detail::check_indexer(in, out, cfg);
+  if (inner && inner->ws) detail::check_compressor(inner->in, inner->out, *inner->ws, cfg, true);
   if (design == ScoreDesign::two_scope)
     check_equal("a2a3::indexer", "ws.scratch.extent(0)", ws.scratch.extent(0),
                 in.positions.extent(0) * cfg.score_len());
   m.begin_kernel(design == ScoreDesign::fused ? "indexer_fused" : "indexer_two_scope");
   detail::indexer_query_and_weights(m, in, ws, cfg);
-  if (inner_compressor) {
+  if (inner) {
+    if (inner->ws == nullptr) throw_arg("a2a3::indexer", "inner->ws", "null", "a workspace");
+    if (inner->out.idx_kv.data() != in.idx_kv.data() ||
+        inner->out.idx_scale.data() != in.idx_scale.data())
+      throw_arg("a2a3::indexer", "inner->out.idx_kv", "another tensor",
+                "the index cache the score reads (in.idx_kv / in.idx_scale)");
+    detail::compressor_step_launches(m, inner->in, inner->out, *inner->ws, cfg, true,
+                                     "indexer.inner_cmp");
+  } else if (inner_compressor_timing) {
     detail::TimingOnly off(m);
     const index_t T = in.positions.extent(0);
     detail::compressor_launches(m, cfg, "indexer.inner_cmp", T, T / in.seq, 4, cfg.idx_head_dim,

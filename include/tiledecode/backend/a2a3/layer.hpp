@@ -5,13 +5,13 @@
 //   hc_pre -> rms_norm -> qkv_proj_rope -> cache write -> [compressor] -> [indexer] ->
 //   sparse_attn -> hc_post
 //
-// The indexer (indexer.hpp) and sparse attention (sparse_attention.hpp) are the functional,
-// golden-checked schedules. The other kernels here - hc_pre, rms_norm, qkv_proj_rope, the cache
-// write, the main compressors (ratio 4 / ratio 128), the indexer's inner compressor, hc_post -
-// are TIMING-ONLY tile programs: real copies, mmads and vector ops of the real shapes, issued on
-// the model's cores and timed by the same cost model, but run with the machine in timing-only
-// mode (no data is computed), because no functional a2a3 schedule of them exists yet. Their
-// weights stream from GM exactly once per launch; their vector work is counted pass by pass.
+// The compressors (compressor.hpp), the indexer (indexer.hpp) and sparse attention
+// (sparse_attention.hpp) are the functional, golden-checked schedules. The other kernels here -
+// hc_pre, rms_norm, qkv_proj_rope, the cache write, hc_post - are TIMING-ONLY tile programs: real
+// copies, mmads and vector ops of the real shapes, issued on the model's cores and timed by the
+// same cost model, but run with the machine in timing-only mode (no data is computed), because no
+// functional a2a3 schedule of them exists yet. Their weights stream from GM exactly once per
+// launch; their vector work is counted pass by pass.
 
 #include <algorithm>
 #include <cstdint>
@@ -26,14 +26,19 @@
 
 namespace tiledecode::a2a3 {
 
-// hc_pre (§4.1): RMS-scaled linear mix of the 4 streams (cube, (T x 4D) . (24 x 4D)^T) then
+// hc_pre (§4.1): RMS-scaled linear mix of the 4 streams (cube) then
 // Sinkhorn (20 iterations of a 4x4 normalisation) and the weighted mix (vector, per token).
 inline KernelReport hc_pre_timing(Machine& m, const ModelConfig& cfg, index_t T) {
   detail::TimingOnly off(m);
   const index_t D = cfg.hidden, HC = cfg.hc_mult;
   m.begin_kernel("hc_pre");
-  detail::gemm_timing<bf16>(m, "hc_pre.mix_mm", T, (2 + HC) * HC, HC * D, 1);
-  detail::vector_timing(m, "hc_pre.sinkhorn_mix", int(T), HC * D * 4, D * 2, HC * D, 4 + 20);
+  // (T x 4D) . (24 x 4D)^T with split-K over the cube cores; FP32 weights are counted as
+  // BF16-sized tiles (the model has no FP32 cube path; 0.75 MiB either way is small).
+  detail::gemm_timing<bf16>(m, "hc_pre.mix_mm", T, (2 + HC) * HC, HC * D, m.arch().cube_cores);
+  // Per token: sum of the split-K partials, RMS scale, sigmoid gates, 20 Sinkhorn iterations on
+  // the 4x4 combine (a few short ops each), the weighted mix of the 4 streams.
+  detail::vector_timing(m, "hc_pre.sinkhorn_mix", int(T), HC * D * 4, D * 2, HC * D, 4, 1, 0, 1024,
+                        20 * 4 + 8);
   return m.end_kernel();
 }
 
@@ -73,21 +78,13 @@ inline KernelReport cache_write_timing(Machine& m, const ModelConfig& cfg, index
   return m.end_kernel();
 }
 
-inline KernelReport compressor_timing(Machine& m, const ModelConfig& cfg, index_t T, index_t B,
-                                      int ratio) {
-  detail::TimingOnly off(m);
-  m.begin_kernel(ratio == 4 ? "compressor_ratio4" : "compressor_ratio128");
-  detail::compressor_launches(m, cfg, ratio == 4 ? "cmp4" : "cmp128", T, B, ratio, cfg.head_dim, false);
-  return m.end_kernel();
-}
-
 // hc_post (§4.5): y[t,o,:] = attn_out[t]*post[t,o] + sum_i x_hc[t,i,:]*comb[t,i,o] (FP32).
 inline KernelReport hc_post_timing(Machine& m, const ModelConfig& cfg, index_t T) {
   detail::TimingOnly off(m);
   const index_t D = cfg.hidden, HC = cfg.hc_mult;
   m.begin_kernel("hc_post");
-  detail::vector_timing(m, "hc_post", int(T * 2), HC * D * 4 / 2 + D, HC * D * 4 / 2,
-                        HC * D / 2, 2 * HC);
+  detail::vector_timing(m, "hc_post", int(T * 2), HC * D * 4 / 2 + D, HC * D * 4 / 2, HC * D / 2,
+                        2 * HC);
   return m.end_kernel();
 }
 
@@ -103,16 +100,19 @@ struct LayerReport {
   }
 };
 
-// The kernels of a layer of `kind` before its attention core (timing-only), in order.
-inline std::vector<KernelReport> layer_front_timing(Machine& m, const ModelConfig& cfg,
-                                                    LayerKind kind, index_t T, index_t B) {
+// The timing-only kernels of a layer before its compressor (the same for every layer kind), in
+// order: hc_pre, rms_norm, qkv_proj_rope, cache_write. A layer is then
+//   SWA: front, sparse_attention(swa), hc_post
+//   CSA: front, compressor(ratio 4) (compressor.hpp), indexer with its inner compressor,
+//        sparse_attention(csa), hc_post
+//   HCA: front, compressor(ratio 128), sparse_attention(hca), hc_post
+// (see examples/90_a2a3_report.cpp).
+inline std::vector<KernelReport> layer_front_timing(Machine& m, const ModelConfig& cfg, index_t T) {
   std::vector<KernelReport> r;
   r.push_back(hc_pre_timing(m, cfg, T));
   r.push_back(rmsnorm_timing(m, cfg, T));
   r.push_back(qkv_proj_rope_timing(m, cfg, T));
   r.push_back(cache_write_timing(m, cfg, T));
-  if (kind == LayerKind::csa) r.push_back(compressor_timing(m, cfg, T, B, 4));
-  if (kind == LayerKind::hca) r.push_back(compressor_timing(m, cfg, T, B, 128));
   return r;
 }
 

@@ -48,7 +48,7 @@ enum class Pipe : std::uint8_t { mte2 = 0, mte1, cube, fixpipe, vector, mte3, sc
 inline constexpr int kPipes = 7;
 
 constexpr std::string_view pipe_name(Pipe p) {
-  constexpr std::array<std::string_view, kPipes> n{"MTE2", "MTE1", "CUBE", "FIXPIPE",
+  constexpr std::array<std::string_view, kPipes> n{"MTE2",   "MTE1", "CUBE",  "FIXPIPE",
                                                    "VECTOR", "MTE3", "SCALAR"};
   return n[static_cast<int>(p)];
 }
@@ -57,15 +57,15 @@ enum class Role : std::uint8_t { cube, vector };
 
 // Bytes moved per memory level (both directions counted where a level is read and written).
 struct Traffic {
-  std::int64_t gm_read = 0;    // HBM/GM -> L1 or UB
-  std::int64_t gm_write = 0;   // L0C or UB -> GM
-  std::int64_t ring = 0;       // cube<->vector ring through the L2-resident workspace (in + out)
-  std::int64_t l1_in = 0;      // into L1 (GM and ring)
-  std::int64_t l0a_in = 0;     // L1 -> L0A
-  std::int64_t l0b_in = 0;     // L1 -> L0B
-  std::int64_t l0c_out = 0;    // FIXPIPE out of L0C
-  std::int64_t ub_in = 0;      // into UB (GM and ring)
-  std::int64_t ub_out = 0;     // UB -> GM and ring
+  std::int64_t gm_read = 0;   // HBM/GM -> L1 or UB
+  std::int64_t gm_write = 0;  // L0C or UB -> GM
+  std::int64_t ring = 0;      // cube<->vector ring through the L2-resident workspace (in + out)
+  std::int64_t l1_in = 0;     // into L1 (GM and ring)
+  std::int64_t l0a_in = 0;    // L1 -> L0A
+  std::int64_t l0b_in = 0;    // L1 -> L0B
+  std::int64_t l0c_out = 0;   // FIXPIPE out of L0C
+  std::int64_t ub_in = 0;     // into UB (GM and ring)
+  std::int64_t ub_out = 0;    // UB -> GM and ring
   std::int64_t gm_total() const { return gm_read + gm_write; }
   Traffic& operator+=(const Traffic& o) {
     gm_read += o.gm_read;
@@ -118,9 +118,9 @@ class Core {
   }
   const LocalMemory& memory(Space s) const { return mem_[int(s)]; }
   bool has_space(Space s) const {
-    return role_ == Role::cube ? (s == Space::l1 || s == Space::l0a || s == Space::l0b ||
-                                  s == Space::l0c)
-                               : s == Space::ub;
+    return role_ == Role::cube
+               ? (s == Space::l1 || s == Space::l0a || s == Space::l0b || s == Space::l0c)
+               : s == Space::ub;
   }
 
   // Issues one op: returns its end cycle. `reads`/`writes` are the buffers whose flags order it.
@@ -133,14 +133,20 @@ class Core {
           (r->writer_pipe >= 0 && r->writer_pipe != int(p)) ? arch_->pipe_sync_cycles : 0.0;
       start = std::max(start, r->ready + sync);
     }
-    for (BufferState* w : writes) start = std::max({start, w->ready, w->read_end});
+    // WAR always; WAW only against another pipe (an in-order pipe keeps its own writes in
+    // order, e.g. several DMAs filling rows of one buffer back to back).
+    for (BufferState* w : writes) {
+      start = std::max(start, w->read_end);
+      if (w->writer_pipe != int(p)) start = std::max(start, w->ready);
+    }
     const double end = start + cycles;
     pipe_free_[int(p)] = end;
     busy_[int(p)] += cycles;
     for (BufferState* r : reads) r->read_end = std::max(r->read_end, end);
     for (BufferState* w : writes) {
-      w->ready = end + write_latency;
-      w->read_end = end;
+      w->ready =
+          w->writer_pipe == int(p) ? std::max(w->ready, end + write_latency) : end + write_latency;
+      w->read_end = std::max(w->read_end, end);
       w->writer_pipe = int(p);
     }
     ops_.push_back({name, p, start, end});
@@ -165,9 +171,10 @@ class Core {
     const std::int64_t row_bytes = std::int64_t(sizeof(T)) * src.extent(1);
     const bool contiguous = src.extent(0) == 1 || src.stride(0) == src.extent(1);
     const double cyc = contiguous ? dma_cycles(1, row_bytes * src.extent(0))
-                                  : arch_->dma_issue_cycles + double(src.extent(0)) *
-                                        double(std::max(row_bytes, arch_->min_burst_bytes)) /
-                                        arch_->gm_port_bytes_per_cycle;
+                                  : arch_->dma_issue_cycles +
+                                        double(src.extent(0)) *
+                                            double(std::max(row_bytes, arch_->min_burst_bytes)) /
+                                            arch_->gm_port_bytes_per_cycle;
     issue(Pipe::mte2, name, cyc, {}, {&dst.state()}, arch_->dma_latency_cycles);
     count_in(dst.space(), row_bytes * src.extent(0));
   }
@@ -176,8 +183,7 @@ class Core {
   // One DataCopy per row: sparse gathers are issue-bound.
   template <class T, class Idx>
   void gather_rows_in(Tile<T> dst, index_t r0, std::type_identity_t<ConstView<T, 2>> src,
-                      std::span<const Idx> rows,
-                      std::string_view name = "gather_rows") {
+                      std::span<const Idx> rows, std::string_view name = "gather_rows") {
     check_copy(dst, r0, index_t(rows.size()), src.extent(1), "gather_rows_in");
     const std::int64_t row_bytes = std::int64_t(sizeof(T)) * src.extent(1);
     std::int64_t n = 0;
@@ -209,8 +215,8 @@ class Core {
         std::memcpy(&dst(r, 0), src.row(r0 + r), sizeof(T) * std::size_t(dst.extent(1)));
     const std::int64_t row_bytes = std::int64_t(sizeof(T)) * dst.extent(1);
     const bool contiguous = dst.extent(0) == 1 || dst.stride(0) == dst.extent(1);
-    const double rate = src.space() == Space::l0c ? arch_->fixpipe_bytes_per_cycle
-                                                  : arch_->gm_port_bytes_per_cycle;
+    const double rate =
+        src.space() == Space::l0c ? arch_->fixpipe_bytes_per_cycle : arch_->gm_port_bytes_per_cycle;
     const double cyc =
         arch_->dma_issue_cycles +
         (contiguous ? double(std::max(row_bytes * dst.extent(0), arch_->min_burst_bytes))
@@ -231,6 +237,14 @@ class Core {
               std::initializer_list<BufferState*> writes, F&& body) {
     if (functional_) body();
     issue(Pipe::scalar, name, ops * arch_->scalar_cycles_per_op, reads, writes);
+  }
+
+  // PipeBarrier between pipes for data that goes through GM (which the model does not track
+  // per address): `to` issues nothing before everything issued so far on `from` is complete and
+  // visible (a GM write's latency included), e.g. MTE3 state writes then MTE2 reads of them.
+  void gm_barrier(Pipe from, Pipe to) {
+    pipe_free_[int(to)] =
+        std::max(pipe_free_[int(to)], pipe_free_[int(from)] + arch_->dma_latency_cycles);
   }
 
   // --- launch bookkeeping ---
@@ -339,8 +353,8 @@ class CubeCore : public Core {
     static_assert(std::is_same_v<Acc, acc_t<In>>, "mmad: INT8 accumulates in INT32, BF16 in FP32");
     if (a.space() != Space::l0a || b.space() != Space::l0b || c.space() != Space::l0c)
       throw Error("a2a3 mmad: operands must be L0A x L0B -> L0C");
-    if (m > a.rows() || k > a.cols() || n > b.rows() || k > b.cols() || m > c.rows() ||
-        c0 < 0 || c0 + n > c.cols())
+    if (m > a.rows() || k > a.cols() || n > b.rows() || k > b.cols() || m > c.rows() || c0 < 0 ||
+        c0 + n > c.cols())
       throw Error("a2a3 mmad: shape exceeds an operand buffer");
     for (index_t i = 0; i < m && functional_; ++i)
       for (index_t j = c0; j < c0 + n; ++j) {
@@ -359,8 +373,8 @@ class CubeCore : public Core {
         c(i, j) = s;
       }
     const double kf = std::is_same_v<In, std::int8_t> ? 32.0 : 16.0;
-    const double fractals = std::ceil(double(m) / 16) * std::ceil(double(n) / 16) *
-                            std::ceil(double(k) / kf);
+    const double fractals =
+        std::ceil(double(m) / 16) * std::ceil(double(n) / 16) * std::ceil(double(k) / kf);
     issue(Pipe::cube, name, fractals + arch_->pipe_sync_cycles, {&a.state(), &b.state()},
           {&c.state()});
   }
@@ -378,8 +392,9 @@ class VectorCore : public Core {
            std::initializer_list<BufferState*> reads, std::initializer_list<BufferState*> writes,
            F&& body, double factor = 1.0) {
     if (functional_) body();
-    const double cyc = arch_->vector_op_overhead_cycles +
-                       factor * std::ceil(double(elems) * elem_bytes / arch_->vector_bytes_per_cycle);
+    const double cyc =
+        arch_->vector_op_overhead_cycles +
+        factor * std::ceil(double(elems) * elem_bytes / arch_->vector_bytes_per_cycle);
     issue(Pipe::vector, name, cyc, reads, writes);
   }
 
@@ -398,8 +413,8 @@ class VectorCore : public Core {
              std::initializer_list<BufferState*> writes, F&& body) {
     if (functional_) body();
     issue(Pipe::vector, name,
-          arch_->vector_op_overhead_cycles + double(elems) * arch_->merge_cycles_per_element,
-          reads, writes);
+          arch_->vector_op_overhead_cycles + double(elems) * arch_->merge_cycles_per_element, reads,
+          writes);
   }
 };
 
@@ -524,14 +539,14 @@ struct CorePeak {
 struct LaunchReport {
   std::string name;
   int blocks = 0;
-  double core_us = 0;        // slowest core
-  double hbm_bound_us = 0;   // GM bytes / HBM bandwidth
-  double latency_us = 0;     // max(core_us, hbm_bound_us) + launch overhead
+  double core_us = 0;       // slowest core
+  double hbm_bound_us = 0;  // GM bytes / HBM bandwidth
+  double latency_us = 0;    // max(core_us, hbm_bound_us) + launch overhead
   std::string slowest_core;
-  std::array<double, kPipes> busy_slowest_us{};  // per-pipe busy time on the slowest core
-  std::array<double, kPipes> busy_max_us{};      // per-pipe max busy time over all cores
+  std::array<double, kPipes> busy_slowest_us{};       // per-pipe busy time on the slowest core
+  std::array<double, kPipes> busy_max_us{};           // per-pipe max busy time over all cores
   std::array<std::int64_t, kLocalSpaces> peak_max{};  // max over cores of peak occupancy
-  std::vector<CorePeak> peaks;                         // per used core
+  std::vector<CorePeak> peaks;                        // per used core
   Traffic traffic;
 };
 
@@ -575,8 +590,10 @@ struct LaunchSpan {
 // The chip: 24 cube + 48 vector cores, launches, reports and the trace.
 class Machine {
  public:
-  explicit Machine(Executor* exec = nullptr, const ArchFacts& arch = kArch) : arch_(arch), exec_(exec) {
-    for (int i = 0; i < arch_.cube_cores; ++i) cubes_.push_back(std::make_unique<CubeCore>(i, arch_));
+  explicit Machine(Executor* exec = nullptr, const ArchFacts& arch = kArch)
+      : arch_(arch), exec_(exec) {
+    for (int i = 0; i < arch_.cube_cores; ++i)
+      cubes_.push_back(std::make_unique<CubeCore>(i, arch_));
     for (int i = 0; i < arch_.vector_cores(); ++i)
       vecs_.push_back(std::make_unique<VectorCore>(i, arch_));
   }

@@ -33,12 +33,18 @@ inline constexpr int kLocalSpaces = 6;  // indexable by Space (gm slot unused)
 
 constexpr std::string_view space_name(Space s) {
   switch (s) {
-    case Space::gm: return "GM";
-    case Space::l1: return "L1";
-    case Space::l0a: return "L0A";
-    case Space::l0b: return "L0B";
-    case Space::l0c: return "L0C";
-    case Space::ub: return "UB";
+    case Space::gm:
+      return "GM";
+    case Space::l1:
+      return "L1";
+    case Space::l0a:
+      return "L0A";
+    case Space::l0b:
+      return "L0B";
+    case Space::l0c:
+      return "L0C";
+    case Space::ub:
+      return "UB";
   }
   return "?";
 }
@@ -46,12 +52,18 @@ constexpr std::string_view space_name(Space s) {
 // Capacity of one core's instance of a local space (GM: the model does not bound it).
 constexpr std::int64_t capacity(Space s, const ArchFacts& a = kArch) {
   switch (s) {
-    case Space::gm: return INT64_MAX;
-    case Space::l1: return a.l1_bytes;
-    case Space::l0a: return a.l0a_bytes;
-    case Space::l0b: return a.l0b_bytes;
-    case Space::l0c: return a.l0c_bytes;
-    case Space::ub: return a.ub_bytes;
+    case Space::gm:
+      return INT64_MAX;
+    case Space::l1:
+      return a.l1_bytes;
+    case Space::l0a:
+      return a.l0a_bytes;
+    case Space::l0b:
+      return a.l0b_bytes;
+    case Space::l0c:
+      return a.l0c_bytes;
+    case Space::ub:
+      return a.ub_bytes;
   }
   return 0;
 }

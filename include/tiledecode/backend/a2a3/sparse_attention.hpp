@@ -46,17 +46,18 @@
 
 namespace tiledecode::a2a3 {
 
-inline constexpr int kAttnTile = 128;     // K columns per block
-inline constexpr int kHeadBatch = 32;     // heads per cube QK/PV batch
-inline constexpr int kVecHeads = 16;      // heads per AIV (and per merge_norm block)
+inline constexpr int kAttnTile = 128;  // K columns per block
+inline constexpr int kHeadBatch = 32;  // heads per cube QK/PV batch
+inline constexpr int kVecHeads = 16;   // heads per AIV (and per merge_norm block)
 inline constexpr int kHeadDim = 512;
 
 // Static UB plan of the qk_pv vector side (per AIV): S ring, O ring, softmax work buffers.
-using AttnSSlot = StaticTile<float, Space::ub, kVecHeads, kAttnTile>;   // 8 KiB
-using AttnOSlot = StaticTile<float, Space::ub, kVecHeads, kHeadDim>;    // 32 KiB
+using AttnSSlot = StaticTile<float, Space::ub, kVecHeads, kAttnTile>;  // 8 KiB
+using AttnOSlot = StaticTile<float, Space::ub, kVecHeads, kHeadDim>;   // 32 KiB
 using AttnWork = StaticTile<float, Space::ub, kVecHeads, kAttnTile>;
 using AttnP = StaticTile<bf16, Space::ub, kVecHeads, kAttnTile>;
-static_assert(fits_v<Space::ub, Replicated<AttnSSlot, 2>, Replicated<AttnOSlot, 2>, AttnWork, AttnP>);
+static_assert(
+    fits_v<Space::ub, Replicated<AttnSSlot, 2>, Replicated<AttnOSlot, 2>, AttnWork, AttnP>);
 // L1 of the cube side: q of one token (64 x 512 BF16) + double-buffered gathered K (128 x 512).
 static_assert(fits_v<Space::l1, StaticTile<bf16, Space::l1, 64, kHeadDim>,
                      Replicated<StaticTile<bf16, Space::l1, kAttnTile, kHeadDim>, 2>,
@@ -64,21 +65,21 @@ static_assert(fits_v<Space::l1, StaticTile<bf16, Space::l1, 64, kHeadDim>,
 
 struct SparseAttnInputs {
   LayerKind kind = LayerKind::csa;
-  ConstView<bf16, 3> q;                       // (T, H, 512)
-  ConstView<bf16, 2> ori_kv;                  // (ori pool rows, 512)
-  ConstView<std::int32_t, 2> window_idx;      // (T, 128) physical ori rows, -1 invalid
-  ConstView<std::int32_t, 1> window_lens;     // (T) columns k >= lens are invalid
-  ConstView<bf16, 2> cmp_kv;                  // (cmp pool rows, 512); unused for SWA
-  ConstView<std::int32_t, 2> cmp_block_table; // (B, cols); unused for SWA
-  ConstView<std::int32_t, 2> topk;            // (T, >= idx_topk) CSA compressed ids; else unused
-  ConstView<std::int32_t, 1> positions;       // (T)
-  ConstView<std::int32_t, 1> kv_seq_lens;     // (B) (HCA n_t bound)
-  ConstView<float, 1> attn_sink;              // (H)
-  RopeTableView rope;                         // table of the layer kind (inverse RoPE at pos_t)
-  ConstView<bf16, 3> wo_a;                    // (O_GROUPS, O_LORA, 8*512)
-  ConstView<std::int8_t, 2> wo_b;             // (D, O_GROUPS*O_LORA)
-  ConstView<float, 1> wo_b_scale;             // (D)
-  int seq = 2;                                // S
+  ConstView<bf16, 3> q;                        // (T, H, 512)
+  ConstView<bf16, 2> ori_kv;                   // (ori pool rows, 512)
+  ConstView<std::int32_t, 2> window_idx;       // (T, 128) physical ori rows, -1 invalid
+  ConstView<std::int32_t, 1> window_lens;      // (T) columns k >= lens are invalid
+  ConstView<bf16, 2> cmp_kv;                   // (cmp pool rows, 512); unused for SWA
+  ConstView<std::int32_t, 2> cmp_block_table;  // (B, cols); unused for SWA
+  ConstView<std::int32_t, 2> topk;             // (T, >= idx_topk) CSA compressed ids; else unused
+  ConstView<std::int32_t, 1> positions;        // (T)
+  ConstView<std::int32_t, 1> kv_seq_lens;      // (B) (HCA n_t bound)
+  ConstView<float, 1> attn_sink;               // (H)
+  RopeTableView rope;                          // table of the layer kind (inverse RoPE at pos_t)
+  ConstView<bf16, 3> wo_a;                     // (O_GROUPS, O_LORA, 8*512)
+  ConstView<std::int8_t, 2> wo_b;              // (D, O_GROUPS*O_LORA)
+  ConstView<float, 1> wo_b_scale;              // (D)
+  int seq = 2;                                 // S
 };
 
 // GM workspaces of the launches.
@@ -190,38 +191,39 @@ inline void sparse_plan(Machine& m, const SparseAttnInputs& in, SparseAttnWorksp
       tk = v.alloc<std::int32_t>(Space::ub, "topk", T, n_cmp);
       v.copy_in(tk, 0, in.topk.slice(1, 0, n_cmp), "topk_in");
     }
-    v.scalar("build_plan", double(T * C) * 4, {&widx.state(), tk.data() ? &tk.state() : &widx.state()},
+    v.scalar("build_plan", double(T * C), {&widx.state(), tk.data() ? &tk.state() : &widx.state()},
              {&rows.state(), &bias.state(), &live.state()}, [&] {
-      for (index_t t = 0; t < T; ++t) {
-        const index_t b = t / in.seq, pos = in.positions(t);
-        for (index_t k = 0; k < cfg.window; ++k) {
-          const bool ok = k < in.window_lens(t) && widx(t, k) >= 0;
-          rows(t, k) = ok ? widx(t, k) : -1;
-        }
-        const index_t hca_n =
-            std::min<index_t>({index_t(cfg.hca_capacity()), (pos + 1) / 128, in.kv_seq_lens(b) / 128});
-        for (index_t i = 0; i < n_cmp; ++i) {
-          std::int32_t r = -1;
-          if (in.kind == LayerKind::csa) {
-            const index_t raw = tk(t, i);
-            if (raw >= 0 && raw < (pos + 1) / 4) r = cmp_row(in, b, raw);
-          } else if (in.kind == LayerKind::hca && i < hca_n) {
-            r = cmp_row(in, b, i);
-          }
-          rows(t, cfg.window + i) = r;
-        }
-        for (index_t c = 0; c < C; ++c) bias(t, c) = rows(t, c) >= 0 ? 0.0f : kMaskNeg;
-        for (index_t bl = 0; bl < NB; ++bl) {
-          bool any = bl == 0;  // block 0 (the window) is always live
-          for (index_t c = bl * kAttnTile; c < (bl + 1) * kAttnTile; ++c) any = any || rows(t, c) >= 0;
-          live(0, t * NB + bl) = any ? 1 : 0;
-        }
-      }
-      index_t n = 0;
-      for (int pass = 1; pass >= 0; --pass)
-        for (index_t i = 0; i < T * NB; ++i)
-          if (live(0, i) == pass) order(0, n++) = std::int32_t(i);
-    });
+               for (index_t t = 0; t < T; ++t) {
+                 const index_t b = t / in.seq, pos = in.positions(t);
+                 for (index_t k = 0; k < cfg.window; ++k) {
+                   const bool ok = k < in.window_lens(t) && widx(t, k) >= 0;
+                   rows(t, k) = ok ? widx(t, k) : -1;
+                 }
+                 const index_t hca_n = std::min<index_t>(
+                     {index_t(cfg.hca_capacity()), (pos + 1) / 128, in.kv_seq_lens(b) / 128});
+                 for (index_t i = 0; i < n_cmp; ++i) {
+                   std::int32_t r = -1;
+                   if (in.kind == LayerKind::csa) {
+                     const index_t raw = tk(t, i);
+                     if (raw >= 0 && raw < (pos + 1) / 4) r = cmp_row(in, b, raw);
+                   } else if (in.kind == LayerKind::hca && i < hca_n) {
+                     r = cmp_row(in, b, i);
+                   }
+                   rows(t, cfg.window + i) = r;
+                 }
+                 for (index_t c = 0; c < C; ++c) bias(t, c) = rows(t, c) >= 0 ? 0.0f : kMaskNeg;
+                 for (index_t bl = 0; bl < NB; ++bl) {
+                   bool any = bl == 0;  // block 0 (the window) is always live
+                   for (index_t c = bl * kAttnTile; c < (bl + 1) * kAttnTile; ++c)
+                     any = any || rows(t, c) >= 0;
+                   live(0, t * NB + bl) = any ? 1 : 0;
+                 }
+               }
+               index_t n = 0;
+               for (int pass = 1; pass >= 0; --pass)
+                 for (index_t i = 0; i < T * NB; ++i)
+                   if (live(0, i) == pass) order(0, n++) = std::int32_t(i);
+             });
     v.copy_out(ws.rows.view(), rows, 0, "rows_out");
     v.copy_out(ws.bias.view(), bias, 0, "bias_out");
     v.copy_out(View<std::int32_t, 2>(ws.live.data(), {1, T * NB}), live, 0, "live_out");
@@ -264,8 +266,10 @@ inline void sparse_qk_pv(Machine& m, const SparseAttnInputs& in, SparseAttnWorks
     VecBufs vb[2];
     for (int i = 0; i < 2; ++i) {
       VectorCore& v = blk.vec(i);
-      vb[i] = {v.alloc<float>(Space::ub, "bias", 1, kAttnTile), v.alloc<float>(Space::ub, "s", kVecHeads, kAttnTile),
-               v.alloc<float>(Space::ub, "m_l", 2, kVecHeads), v.alloc<bf16>(Space::ub, "p", kVecHeads, kAttnTile)};
+      vb[i] = {v.alloc<float>(Space::ub, "bias", 1, kAttnTile),
+               v.alloc<float>(Space::ub, "s", kVecHeads, kAttnTile),
+               v.alloc<float>(Space::ub, "m_l", 2, kVecHeads),
+               v.alloc<bf16>(Space::ub, "p", kVecHeads, kAttnTile)};
     }
     index_t last_t = -1;
     int j = 0;
@@ -283,10 +287,16 @@ inline void sparse_qk_pv(Machine& m, const SparseAttnInputs& in, SparseAttnWorks
         last_t = t;
       }
       for (int i = 0; i < 2; ++i)
-        blk.vec(i).copy_in(vb[i].bias, 0, ConstView<float, 2>(ws.bias.data() + t * ws.cols + bl * kAttnTile, {1, kAttnTile}), "bias_in");
-      for (index_t hb = 0; hb < H / kHeadBatch; ++hb) {
-        const int step = j * int(H / kHeadBatch) + int(hb);
-        auto& s = s_acc[std::size_t(step % 2)];
+        blk.vec(i).copy_in(
+            vb[i].bias, 0,
+            ConstView<float, 2>(ws.bias.data() + t * ws.cols + bl * kAttnTile, {1, kAttnTile}),
+            "bias_in");
+      // Software pipeline inside an item: QK of both head batches first (the cube computes
+      // batch 1 while the vector cores run the softmax of batch 0), then the softmax of both,
+      // then PV of both, then the stores.
+      const index_t HB = H / kHeadBatch;
+      for (index_t hb = 0; hb < HB; ++hb) {
+        auto& s = s_acc[std::size_t(hb % 2)];
         // S = q[32 heads] . K^T over 4 K tiles of 128 dims.
         for (index_t kt = 0; kt < kHeadDim / kAttnTile; ++kt) {
           auto& a = qa[std::size_t(kt % 2)];
@@ -296,15 +306,22 @@ inline void sparse_qk_pv(Machine& m, const SparseAttnInputs& in, SparseAttnWorks
           c.mmad(s, a, bmat, kHeadBatch, kAttnTile, kAttnTile, kt > 0, "qk_mmad");
         }
         for (int i = 0; i < 2; ++i) s_ring[i].push(s, i * kVecHeads, kVecHeads, "s_push");
+      }
+      for (index_t hb = 0; hb < HB; ++hb) {
         // Vector softmax statistics of 16 heads per AIV.
         for (int i = 0; i < 2; ++i) {
           VectorCore& v = blk.vec(i);
           VecBufs& b = vb[i];
           Tile<float> st = s_ring[i].pop();
-          v.vec("scale_bias", kVecHeads * kAttnTile, 4, {&st.state(), &b.bias.state()}, {&b.s.state()}, [&] {
-            for (index_t h = 0; h < kVecHeads; ++h)
-              for (index_t k = 0; k < kAttnTile; ++k) b.s(h, k) = scale * st(h, k) + b.bias(0, k);
-          }, 2.0);
+          v.vec(
+              "scale_bias", kVecHeads * kAttnTile, 4, {&st.state(), &b.bias.state()},
+              {&b.s.state()},
+              [&] {
+                for (index_t h = 0; h < kVecHeads; ++h)
+                  for (index_t k = 0; k < kAttnTile; ++k)
+                    b.s(h, k) = scale * st(h, k) + b.bias(0, k);
+              },
+              2.0);
           s_ring[i].release();
           v.vec("rowmax", kVecHeads * kAttnTile, 4, {&b.s.state()}, {&b.ml.state()}, [&] {
             for (index_t h = 0; h < kVecHeads; ++h) {
@@ -313,10 +330,14 @@ inline void sparse_qk_pv(Machine& m, const SparseAttnInputs& in, SparseAttnWorks
               b.ml(0, h) = mx;
             }
           });
-          v.vec("exp", kVecHeads * kAttnTile, 4, {&b.s.state(), &b.ml.state()}, {&b.s.state()}, [&] {
-            for (index_t h = 0; h < kVecHeads; ++h)
-              for (index_t k = 0; k < kAttnTile; ++k) b.s(h, k) = std::exp(b.s(h, k) - b.ml(0, h));
-          }, m.arch().vector_exp_cost_factor);
+          v.vec(
+              "exp", kVecHeads * kAttnTile, 4, {&b.s.state(), &b.ml.state()}, {&b.s.state()},
+              [&] {
+                for (index_t h = 0; h < kVecHeads; ++h)
+                  for (index_t k = 0; k < kAttnTile; ++k)
+                    b.s(h, k) = std::exp(b.s(h, k) - b.ml(0, h));
+              },
+              m.arch().vector_exp_cost_factor);
           v.vec("rowsum", kVecHeads * kAttnTile, 4, {&b.s.state()}, {&b.ml.state()}, [&] {
             for (index_t h = 0; h < kVecHeads; ++h) {
               float sum = 0;
@@ -332,6 +353,8 @@ inline void sparse_qk_pv(Machine& m, const SparseAttnInputs& in, SparseAttnWorks
           v.copy_out(View<float, 2>(&ws.m.view()(t, bl, h0), {1, kVecHeads}), b.ml, 0, "m_out");
           v.copy_out(View<float, 2>(&ws.l.view()(t, bl, h0), {1, kVecHeads}), b.ml, 1, "l_out");
         }
+      }
+      for (index_t hb = 0; hb < HB; ++hb) {
         // O = P . K per AIV half (16 heads), N in 4 tiles of 128 dims; K^T via transposed loads.
         for (int i = 0; i < 2; ++i) {
           Tile<bf16> p1 = p_ring[i].pop();
@@ -341,7 +364,8 @@ inline void sparse_qk_pv(Machine& m, const SparseAttnInputs& in, SparseAttnWorks
           auto& o = o_acc[std::size_t(i)];
           for (index_t nt = 0; nt < kHeadDim / kAttnTile; ++nt) {
             auto& bmat = kb[std::size_t(nt % 2)];
-            c.load_l0(bmat, kv_l1, 0, kAttnTile, nt * kAttnTile, kAttnTile, /*transpose=*/true, "kT_l0");
+            c.load_l0(bmat, kv_l1, 0, kAttnTile, nt * kAttnTile, kAttnTile, /*transpose=*/true,
+                      "kT_l0");
             c.mmad(o, a, bmat, kVecHeads, kAttnTile, kAttnTile, false, "pv_mmad", nt * kAttnTile);
           }
           o_ring[i].push(o, 0, kVecHeads, "o_push");
@@ -350,7 +374,8 @@ inline void sparse_qk_pv(Machine& m, const SparseAttnInputs& in, SparseAttnWorks
           VectorCore& v = blk.vec(i);
           Tile<float> ot = o_ring[i].pop();
           const index_t h0 = hb * kHeadBatch + i * kVecHeads;
-          v.copy_out(View<float, 2>(&ws.o.view()(t, bl, h0, 0), {kVecHeads, kHeadDim}), ot, 0, "o_out");
+          v.copy_out(View<float, 2>(&ws.o.view()(t, bl, h0, 0), {kVecHeads, kHeadDim}), ot, 0,
+                     "o_out");
           o_ring[i].release();
         }
       }
@@ -386,49 +411,59 @@ inline void sparse_merge_norm(Machine& m, const SparseAttnInputs& in, SparseAttn
     for (index_t bl = 0; bl < NB; ++bl) {
       if (!ws.live.view()(t, bl)) continue;  // skipped block: (m=-3e38, l=0, o=0) vanishes
       auto& o = ob[std::size_t(j++ % 2)];
-      v.copy_in(o, 0, ConstView<float, 2>(&ws.o.view()(t, bl, h0, 0), {kVecHeads, kHeadDim}), "o_in");
+      v.copy_in(o, 0, ConstView<float, 2>(&ws.o.view()(t, bl, h0, 0), {kVecHeads, kHeadDim}),
+                "o_in");
       if (first) {
-        v.vec("merge_init", kVecHeads * kHeadDim, 4, {&o.state(), &ml.state()}, {&acc.state(), &st.state()}, [&] {
-          std::copy_n(o.data(), kVecHeads * kHeadDim, acc.data());
-          for (index_t h = 0; h < kVecHeads; ++h) {
-            st(0, h) = ml(bl, h);
-            st(1, h) = ml(NB + bl, h);
-          }
-        });
+        v.vec("merge_init", kVecHeads * kHeadDim, 4, {&o.state(), &ml.state()},
+              {&acc.state(), &st.state()}, [&] {
+                std::copy_n(o.data(), kVecHeads * kHeadDim, acc.data());
+                for (index_t h = 0; h < kVecHeads; ++h) {
+                  st(0, h) = ml(bl, h);
+                  st(1, h) = ml(NB + bl, h);
+                }
+              });
         first = false;
         continue;
       }
-      v.vec("merge", kVecHeads * kHeadDim, 4, {&o.state(), &ml.state(), &acc.state()}, {&acc.state(), &st.state()}, [&] {
-        for (index_t h = 0; h < kVecHeads; ++h) {
-          const float mo = st(0, h), mb = ml(bl, h), mn = std::max(mo, mb);
-          const float alpha = std::exp(mo - mn), gamma = std::exp(mb - mn);
-          st(1, h) = alpha * st(1, h) + gamma * ml(NB + bl, h);
-          st(0, h) = mn;
-          for (index_t d = 0; d < kHeadDim; ++d) acc(h, d) = alpha * acc(h, d) + gamma * o(h, d);
-        }
-      }, 3.0);
+      v.vec(
+          "merge", kVecHeads * kHeadDim, 4, {&o.state(), &ml.state(), &acc.state()},
+          {&acc.state(), &st.state()},
+          [&] {
+            for (index_t h = 0; h < kVecHeads; ++h) {
+              const float mo = st(0, h), mb = ml(bl, h), mn = std::max(mo, mb);
+              const float alpha = std::exp(mo - mn), gamma = std::exp(mb - mn);
+              st(1, h) = alpha * st(1, h) + gamma * ml(NB + bl, h);
+              st(0, h) = mn;
+              for (index_t d = 0; d < kHeadDim; ++d)
+                acc(h, d) = alpha * acc(h, d) + gamma * o(h, d);
+            }
+          },
+          3.0);
     }
-    v.vec("sink_norm_rope_cast", kVecHeads * kHeadDim, 4, {&acc.state(), &st.state(), &sink.state(), &rot.state()},
-          {&ob16.state()}, [&] {
-      for (index_t h = 0; h < kVecHeads; ++h) {
-        float* row = acc.row(h);
-        if (first) {
-          std::fill_n(row, kHeadDim, 0.0f);
-        } else {
-          const float den = st(1, h) + std::exp(sink(0, h) - st(0, h));
-          for (index_t d = 0; d < kHeadDim; ++d) row[d] = row[d] / den;
-        }
-        const int nope = cfg.nope_dim();
-        for (index_t d = 0; d < nope; ++d) ob16(h, d) = bf16(row[d]);
-        rope_inverse(std::span<float>(row + nope, 64), rot.row(0), rot.row(1));
-        for (index_t d = nope; d < kHeadDim; ++d) ob16(h, d) = bf16(row[d]);
-      }
-    }, 4.0);
+    v.vec(
+        "sink_norm_rope_cast", kVecHeads * kHeadDim, 4,
+        {&acc.state(), &st.state(), &sink.state(), &rot.state()}, {&ob16.state()},
+        [&] {
+          for (index_t h = 0; h < kVecHeads; ++h) {
+            float* row = acc.row(h);
+            if (first) {
+              std::fill_n(row, kHeadDim, 0.0f);
+            } else {
+              const float den = st(1, h) + std::exp(sink(0, h) - st(0, h));
+              for (index_t d = 0; d < kHeadDim; ++d) row[d] = row[d] / den;
+            }
+            const int nope = cfg.nope_dim();
+            for (index_t d = 0; d < nope; ++d) ob16(h, d) = bf16(row[d]);
+            rope_inverse(std::span<float>(row + nope, 64), rot.row(0), rot.row(1));
+            for (index_t d = nope; d < kHeadDim; ++d) ob16(h, d) = bf16(row[d]);
+          }
+        },
+        4.0);
     // One 512-wide store per head row into o_packed[g*T + t, hh*512 ..] (PR #831).
     for (index_t h = 0; h < kVecHeads; ++h) {
       const index_t hg = h0 + h, g = hg / cfg.heads_per_group(), hh = hg % cfg.heads_per_group();
-      v.copy_out(View<bf16, 2>(&ws.o_packed.view()(g * T + t, hh * kHeadDim), {1, kHeadDim}), ob16, h,
-                 "o_packed_out");
+      v.copy_out(View<bf16, 2>(&ws.o_packed.view()(g * T + t, hh * kHeadDim), {1, kHeadDim}), ob16,
+                 h, "o_packed_out");
     }
   });
 }
@@ -444,16 +479,21 @@ inline void sparse_oproj(Machine& m, const SparseAttnInputs& in, View<bf16, 2> o
     CubeCore& c = blk.cube;
     const index_t g = blk.index / nfr, n0 = (blk.index % nfr) * 128;
     auto a1 = c.alloc<bf16>(Space::l1, "o_packed", kPad, KI);
-    std::array<Tile<bf16>, 2> b1{c.alloc<bf16>(Space::l1, "wo_a[0]", 128, kK), c.alloc<bf16>(Space::l1, "wo_a[1]", 128, kK)};
+    std::array<Tile<bf16>, 2> b1{c.alloc<bf16>(Space::l1, "wo_a[0]", 128, kK),
+                                 c.alloc<bf16>(Space::l1, "wo_a[1]", 128, kK)};
     // L0B holds (128 x 128) BF16 = 32 KiB, double buffered: each K tile of 256 is 2 L0 steps.
-    std::array<Tile<bf16>, 2> a0{c.alloc<bf16>(Space::l0a, "a_l0[0]", kPad, 128), c.alloc<bf16>(Space::l0a, "a_l0[1]", kPad, 128)};
-    std::array<Tile<bf16>, 2> b0{c.alloc<bf16>(Space::l0b, "b_l0[0]", 128, 128), c.alloc<bf16>(Space::l0b, "b_l0[1]", 128, 128)};
+    std::array<Tile<bf16>, 2> a0{c.alloc<bf16>(Space::l0a, "a_l0[0]", kPad, 128),
+                                 c.alloc<bf16>(Space::l0a, "a_l0[1]", kPad, 128)};
+    std::array<Tile<bf16>, 2> b0{c.alloc<bf16>(Space::l0b, "b_l0[0]", 128, 128),
+                                 c.alloc<bf16>(Space::l0b, "b_l0[1]", 128, 128)};
     auto acc = c.alloc<float>(Space::l0c, "o_r", kPad, 128);
-    c.copy_in(a1, 0, ConstView<bf16, 2>(ws.o_packed.view().slice(0, g * T, g * T + T)), "o_packed_in");
+    c.copy_in(a1, 0, ConstView<bf16, 2>(ws.o_packed.view().slice(0, g * T, g * T + T)),
+              "o_packed_in");
     int step = 0;
     for (index_t kt = 0; kt < KI / kK; ++kt) {
       const std::size_t s = std::size_t(kt % 2);
-      c.copy_in(b1[s], 0, in.wo_a.row(g).slice(0, n0, n0 + 128).slice(1, kt * kK, kt * kK + kK), "wo_a_in");
+      c.copy_in(b1[s], 0, in.wo_a.row(g).slice(0, n0, n0 + 128).slice(1, kt * kK, kt * kK + kK),
+                "wo_a_in");
       for (index_t h = 0; h < kK / 128; ++h, ++step) {
         const std::size_t u = std::size_t(step % 2);
         c.load_l0(a0[u], a1, 0, kPad, kt * kK + h * 128, 128, false, "a_l0");
@@ -472,10 +512,13 @@ inline void sparse_oproj(Machine& m, const SparseAttnInputs& in, View<bf16, 2> o
     auto s = v.alloc<float>(Space::ub, "a_dq", 1, 8);
     v.copy_in(x, 0, ConstView<float, 2>(&ws.o_r.view()(t, g, 0), {1, R}), "o_r_in");
     v.vec("amax", R, 4, {&x.state()}, {&s.state()}, [] {});
-    v.vec("quant", R, 4, {&x.state(), &s.state()}, {&q.state(), &s.state()}, [&] {
-      s(0, 0) = quantize_q8(std::span<std::int8_t>(q.data(), std::size_t(R)),
-                            std::span<const float>(x.data(), std::size_t(R)));
-    }, 3.0);
+    v.vec(
+        "quant", R, 4, {&x.state(), &s.state()}, {&q.state(), &s.state()},
+        [&] {
+          s(0, 0) = quantize_q8(std::span<std::int8_t>(q.data(), std::size_t(R)),
+                                std::span<const float>(x.data(), std::size_t(R)));
+        },
+        3.0);
     v.copy_out(View<std::int8_t, 2>(&ws.a_i8.view()(t, g, 0), {1, R}), q, 0, "a_i8_out");
     v.copy_out(View<float, 2>(&ws.a_dq.view()(t, g), {1, 1}), s, 0, "a_dq_out");
   });
@@ -492,11 +535,16 @@ inline void sparse_oproj(Machine& m, const SparseAttnInputs& in, View<bf16, 2> o
     std::array<Tile<std::int8_t>, 2> b0{c.alloc<std::int8_t>(Space::l0b, "b_l0[0]", 128, kK),
                                         c.alloc<std::int8_t>(Space::l0b, "b_l0[1]", 128, kK)};
     auto acc = c.alloc<std::int32_t>(Space::l0c, "partial", kPad, 512);
-    c.copy_in(a1, 0, ConstView<std::int8_t, 2>(View<std::int8_t, 2>(&ws.a_i8.view()(0, g, 0), {T, R}, {G * R, 1})), "a_i8_in");
+    c.copy_in(a1, 0,
+              ConstView<std::int8_t, 2>(
+                  View<std::int8_t, 2>(&ws.a_i8.view()(0, g, 0), {T, R}, {G * R, 1})),
+              "a_i8_in");
     int step = 0;
     for (index_t kt = 0; kt < R / kK; ++kt) {
       const std::size_t s = std::size_t(kt % 2);
-      c.copy_in(b1[s], 0, in.wo_b.slice(0, n0, n0 + 512).slice(1, g * R + kt * kK, g * R + kt * kK + kK), "wo_b_in");
+      c.copy_in(b1[s], 0,
+                in.wo_b.slice(0, n0, n0 + 512).slice(1, g * R + kt * kK, g * R + kt * kK + kK),
+                "wo_b_in");
       c.load_l0(a0[s], a1, 0, kPad, kt * kK, kK, false, "a_l0");
       for (index_t nc = 0; nc < 4; ++nc, ++step) {
         auto& b = b0[std::size_t(step % 2)];
@@ -504,7 +552,8 @@ inline void sparse_oproj(Machine& m, const SparseAttnInputs& in, View<bf16, 2> o
         c.mmad(acc, a0[s], b, T, 128, kK, kt > 0, "proj_b_mmad", nc * 128);
       }
     }
-    c.copy_out(View<std::int32_t, 2>(&ws.partial.view()(0, g * D + n0), {T, 512}, {G * D, 1}), acc, 0, "partial_out");
+    c.copy_out(View<std::int32_t, 2>(&ws.partial.view()(0, g * D + n0), {T, 512}, {G * D, 1}), acc,
+               0, "partial_out");
   });
   // proj_b_act: attn_out = bf16(wo_b_scale * sum_g a_dq[g] * partial_g), groups summed in order.
   const index_t quarters = 4, qw = D / quarters;
@@ -516,16 +565,22 @@ inline void sparse_oproj(Machine& m, const SparseAttnInputs& in, View<bf16, 2> o
     auto ws_ = v.alloc<float>(Space::ub, "wo_b_scale", 1, qw);
     auto accf = v.alloc<float>(Space::ub, "acc", 1, qw);
     auto o = v.alloc<bf16>(Space::ub, "attn_out", 1, qw);
-    v.copy_in(p, 0, ConstView<std::int32_t, 2>(View<std::int32_t, 2>(&ws.partial.view()(t, n0), {G, qw}, {D, 1})), "partials_in");
+    v.copy_in(p, 0,
+              ConstView<std::int32_t, 2>(
+                  View<std::int32_t, 2>(&ws.partial.view()(t, n0), {G, qw}, {D, 1})),
+              "partials_in");
     v.copy_in(dq, 0, ConstView<float, 2>(&ws.a_dq.view()(t, 0), {1, G}), "a_dq_in");
     v.copy_in(ws_, 0, ConstView<float, 2>(in.wo_b_scale.data() + n0, {1, qw}), "wo_b_scale_in");
-    v.vec("dequant_sum", G * qw, 4, {&p.state(), &dq.state()}, {&accf.state()}, [&] {
-      for (index_t n = 0; n < qw; ++n) {
-        float s = 0;
-        for (index_t g = 0; g < G; ++g) s += dq(0, g) * float(p(g, n));
-        accf(0, n) = s;
-      }
-    }, 2.0);
+    v.vec(
+        "dequant_sum", G * qw, 4, {&p.state(), &dq.state()}, {&accf.state()},
+        [&] {
+          for (index_t n = 0; n < qw; ++n) {
+            float s = 0;
+            for (index_t g = 0; g < G; ++g) s += dq(0, g) * float(p(g, n));
+            accf(0, n) = s;
+          }
+        },
+        2.0);
     v.vec("scale_cast", qw, 4, {&accf.state(), &ws_.state()}, {&o.state()}, [&] {
       for (index_t n = 0; n < qw; ++n) o(0, n) = bf16(ws_(0, n) * accf(0, n));
     });

@@ -56,19 +56,21 @@ inline std::string pipes_json(const std::array<double, kPipes>& us) {
 // of the slowest core and max over cores, peak occupancy per space, per-core peaks).
 inline std::string kernel_json(const KernelReport& k) {
   std::ostringstream o;
-  o << "{\"name\":\"" << detail::json_escape(k.name) << "\",\"latency_us\":"
-    << detail::num(k.latency_us()) << ",\"traffic\":" << traffic_json(k.traffic())
+  o << "{\"name\":\"" << detail::json_escape(k.name)
+    << "\",\"latency_us\":" << detail::num(k.latency_us())
+    << ",\"traffic\":" << traffic_json(k.traffic())
     << ",\"busy_slowest_us\":" << pipes_json(k.busy_slowest_us()) << ",\"launches\":[";
   bool first = true;
   for (const auto& l : k.launches) {
     o << (first ? "" : ",") << "{\"name\":\"" << detail::json_escape(l.name)
       << "\",\"blocks\":" << l.blocks << ",\"latency_us\":" << detail::num(l.latency_us)
-      << ",\"core_us\":" << detail::num(l.core_us) << ",\"hbm_bound_us\":"
-      << detail::num(l.hbm_bound_us) << ",\"slowest_core\":\"" << l.slowest_core
-      << "\",\"busy_slowest_us\":" << pipes_json(l.busy_slowest_us)
+      << ",\"core_us\":" << detail::num(l.core_us)
+      << ",\"hbm_bound_us\":" << detail::num(l.hbm_bound_us) << ",\"slowest_core\":\""
+      << l.slowest_core << "\",\"busy_slowest_us\":" << pipes_json(l.busy_slowest_us)
       << ",\"busy_max_us\":" << pipes_json(l.busy_max_us) << ",\"peak_bytes\":{";
     for (int s = 1; s < kLocalSpaces; ++s)
-      o << (s > 1 ? "," : "") << "\"" << space_name(Space(s)) << "\":" << l.peak_max[std::size_t(s)];
+      o << (s > 1 ? "," : "") << "\"" << space_name(Space(s))
+        << "\":" << l.peak_max[std::size_t(s)];
     o << "},\"peak_bytes_per_core\":{";
     bool fc = true;
     for (const auto& cp : l.peaks) {
@@ -109,8 +111,9 @@ inline void write_chrome_trace(std::ostream& os, const Machine& m) {
   }
   for (const auto& l : m.launch_spans()) {
     sep();
-    ev << "{\"name\":\"" << detail::json_escape(l.name) << "\",\"cat\":\"launch\",\"ph\":\"X\",\"ts\":"
-       << detail::num(l.ts_us) << ",\"dur\":" << detail::num(l.dur_us) << ",\"pid\":0,\"tid\":0}";
+    ev << "{\"name\":\"" << detail::json_escape(l.name)
+       << "\",\"cat\":\"launch\",\"ph\":\"X\",\"ts\":" << detail::num(l.ts_us)
+       << ",\"dur\":" << detail::num(l.dur_us) << ",\"pid\":0,\"tid\":0}";
   }
   sep();
   ev << "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"args\":{\"name\":\"launches\"}}";

@@ -15,7 +15,7 @@
 //
 // INT32 bound (score): a head dot sums 128 products, |sum| <= 128 * 2^14 = 2^21 < 2^31.
 // INT32 bound (query GEMM): K = Q_LORA products, |sum| <= K * 2^14 <= 2^31 - 1 for K < 2^17;
-// the API requires Q_LORA <= 65536.
+// the API requires Q_LORA <= kIndexerMaxQLora = 4096.
 
 #include <cstdint>
 #include <cstring>
@@ -208,6 +208,31 @@ TILEDECODE_TARGET_AVX2 inline void hadamard_tile(float* qh, const float* x, cons
       _mm256_storeu_ps(qh + tt * 128 + cb + 8, acc[tt][1]);
     }
   }
+}
+
+// Query epilogue, part 2 for a Sylvester rotation (H = s·(-1)^popcount(i&j)): qh = s·FWHT(x),
+// the in-place butterfly of kernels::detail::fwht_128_scalar (stride 1, 2, 4 inside a vector,
+// 8…64 across vectors; a+b / a-b per element in the same order), then × s.
+TILEDECODE_TARGET_AVX2 inline void fwht_128(float* qh, const float* x, float s) {
+  __m256 v[16];
+  for (int k = 0; k < 16; ++k) v[k] = _mm256_loadu_ps(x + 8 * k);
+  for (int k = 0; k < 16; ++k) {
+    __m256 sw = _mm256_permute_ps(v[k], 0xB1);  // stride 1: (a, b) pairs in lanes (2i, 2i+1)
+    v[k] = _mm256_blend_ps(_mm256_add_ps(v[k], sw), _mm256_sub_ps(sw, v[k]), 0xAA);
+    sw = _mm256_permute_ps(v[k], 0x4E);  // stride 2
+    v[k] = _mm256_blend_ps(_mm256_add_ps(v[k], sw), _mm256_sub_ps(sw, v[k]), 0xCC);
+    sw = _mm256_permute2f128_ps(v[k], v[k], 0x01);  // stride 4
+    v[k] = _mm256_blend_ps(_mm256_add_ps(v[k], sw), _mm256_sub_ps(sw, v[k]), 0xF0);
+  }
+  for (int d = 1; d < 16; d <<= 1)  // strides 8, 16, 32, 64
+    for (int k = 0; k < 16; k += 2 * d)
+      for (int i = k; i < k + d; ++i) {
+        const __m256 a = v[i], b = v[i + d];
+        v[i] = _mm256_add_ps(a, b);
+        v[i + d] = _mm256_sub_ps(a, b);
+      }
+  const __m256 sv = _mm256_set1_ps(s);
+  for (int k = 0; k < 16; ++k) _mm256_storeu_ps(qh + 8 * k, _mm256_mul_ps(v[k], sv));
 }
 
 // Q8 of one 128-wide row (spec §2), identical to core quantize_q8: amax ignores NaN like fmax,

@@ -1,10 +1,12 @@
 #pragma once
 // AVX2 + FMA block primitives of the sparse attention core (kernels/sparse_attention.hpp).
 // One 128-column block of one token is a small GEMM pair for a tile of heads:
-//   S (heads × cols) = Q (heads × 512) · Kᵀ (512 × cols)        qk_block
-//   P = bf16(exp(S - rowmax))                                     softmax_block
-//   O (heads × 512) = α·O + γ·P (heads × cols) · K (cols × 512)   pv_merge_block
-// K is the block's valid rows converted to FP32 once (load_rows) and shared by every head.
+//   Sᵀ (cols × heads) = K (cols × 512) · Qᵀ (512 × heads)        sa_qk
+//   P = bf16(exp(S - max over cols))                              sa_softmax_block
+//   O (heads × 512) = α·O + γ·Pᵀ · K (cols × 512)                sa_pv_merge
+// K is the block's valid rows converted to FP32 once (sa_load_rows) and shared by every head; Q
+// is transposed once per work item so that heads are the vector lanes of both GEMMs: each is a
+// broadcast-FMA kernel with 12 accumulators (6 × 16 floats) and no horizontal reductions.
 // Layout of every operand: row-major FP32 with a leading dimension (floats), 32-byte aligned
 // rows (the kernel's workspace guarantees it). Every function here must only be called after the
 // runtime AVX2 check (ctx.isa == Isa::avx2).
@@ -65,93 +67,86 @@ TILEDECODE_TARGET_AVX2 inline void sa_load_rows(float* kf, int ldk, const bf16* 
   }
 }
 
-// (4 sums of a, b, c, d) — lane i holds the horizontal sum of the i-th argument.
-TILEDECODE_TARGET_AVX2 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
-  const __m256 abcd = _mm256_hadd_ps(ab, cd);
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-// Scores of NH heads × NC columns, reduction over dim in 8-lane partial sums. Writes 4 floats per
-// head row (lanes >= NC are scratch, overwritten by the next tile or ignored).
-template <int NH, int NC>
-TILEDECODE_TARGET_AVX2 inline void qk_tile(float* s, int lds, const float* q, int ldq,
-                                           const float* k, int ldk, int dim, float scale) {
-  __m256 acc[NH][NC];
-  for (int h = 0; h < NH; ++h)
-    for (int c = 0; c < NC; ++c) acc[h][c] = _mm256_setzero_ps();
-  for (int d = 0; d < dim; d += 8) {
-    __m256 kv[NC];
-    for (int c = 0; c < NC; ++c) kv[c] = _mm256_load_ps(k + std::int64_t(c) * ldk + d);
-    for (int h = 0; h < NH; ++h) {
-      const __m256 qv = _mm256_load_ps(q + std::int64_t(h) * ldq + d);
-      for (int c = 0; c < NC; ++c) acc[h][c] = _mm256_fmadd_ps(qv, kv[c], acc[h][c]);
+// Scores of NJ columns × 8·NV heads: acc[j][v] = Σ_d kf[j, d] · qt[d, h0 + 8v .. +8]. The head
+// dimension is the vector lane, so the reduction over d needs no horizontal sums and the d loop
+// (512 steps) amortises the tile's set-up. Writes st[j, h0 ..] = scale · acc.
+template <int NJ, int NV>
+TILEDECODE_TARGET_AVX2 inline void qk_tile(float* st, int lds, const float* qt, int ldq,
+                                           const float* kf, int ldk, int dim, float scale) {
+  __m256 acc[NJ][NV];
+#pragma GCC unroll 8
+  for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_setzero_ps();
+  const float* qd = qt;
+  for (int d = 0; d < dim; ++d, qd += ldq) {
+    __m256 qv[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) qv[v] = _mm256_load_ps(qd + 8 * v);
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) {
+      const __m256 kb = _mm256_broadcast_ss(kf + std::int64_t(j) * ldk + d);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_fmadd_ps(kb, qv[v], acc[j][v]);
     }
   }
-  const __m256 z = _mm256_setzero_ps();
-  const __m128 sc = _mm_set1_ps(scale);
-  for (int h = 0; h < NH; ++h) {
-    const __m128 v = hsum4(acc[h][0], NC > 1 ? acc[h][NC > 1 ? 1 : 0] : z,
-                           NC > 2 ? acc[h][NC > 2 ? 2 : 0] : z, z);
-    _mm_storeu_ps(s + std::int64_t(h) * lds, _mm_mul_ps(sc, v));
-  }
+  const __m256 sc = _mm256_set1_ps(scale);
+#pragma GCC unroll 8
+  for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v)
+      _mm256_store_ps(st + std::int64_t(j) * lds + 8 * v, _mm256_mul_ps(sc, acc[j][v]));
 }
 
-template <int NH>
-TILEDECODE_TARGET_AVX2 inline void qk_rows(float* s, int lds, const float* q, int ldq,
+template <int NV>
+TILEDECODE_TARGET_AVX2 inline void qk_cols(float* st, int lds, const float* qt, int ldq,
                                            const float* kf, int ldk, int nc, int dim, float scale) {
   int j = 0;
-  for (; j + 3 <= nc; j += 3)
-    qk_tile<NH, 3>(s + j, lds, q, ldq, kf + std::int64_t(j) * ldk, ldk, dim, scale);
-  if (nc - j == 2) qk_tile<NH, 2>(s + j, lds, q, ldq, kf + std::int64_t(j) * ldk, ldk, dim, scale);
-  if (nc - j == 1) qk_tile<NH, 1>(s + j, lds, q, ldq, kf + std::int64_t(j) * ldk, ldk, dim, scale);
-}
-
-// s[h, j] = scale * (q[h, :] · kf[j, :]) for h < nh, j < nc. Row capacity of s: nc + 4.
-TILEDECODE_TARGET_AVX2 inline void sa_qk(float* s, int lds, const float* q, int ldq, int nh,
-                                         const float* kf, int ldk, int nc, int dim, float scale) {
-  int h = 0;
-  for (; h + 4 <= nh; h += 4)
-    qk_rows<4>(s + std::int64_t(h) * lds, lds, q + std::int64_t(h) * ldq, ldq, kf, ldk, nc, dim, scale);
-  float* sh = s + std::int64_t(h) * lds;
-  const float* qh = q + std::int64_t(h) * ldq;
-  switch (nh - h) {
-    case 3: qk_rows<3>(sh, lds, qh, ldq, kf, ldk, nc, dim, scale); break;
-    case 2: qk_rows<2>(sh, lds, qh, ldq, kf, ldk, nc, dim, scale); break;
-    case 1: qk_rows<1>(sh, lds, qh, ldq, kf, ldk, nc, dim, scale); break;
+  for (; j + 6 <= nc; j += 6)
+    qk_tile<6, NV>(st + std::int64_t(j) * lds, lds, qt, ldq, kf + std::int64_t(j) * ldk, ldk, dim, scale);
+  float* sj = st + std::int64_t(j) * lds;
+  const float* kj = kf + std::int64_t(j) * ldk;
+  switch (nc - j) {
+    case 5: qk_tile<5, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale); break;
+    case 4: qk_tile<4, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale); break;
+    case 3: qk_tile<3, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale); break;
+    case 2: qk_tile<2, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale); break;
+    case 1: qk_tile<1, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale); break;
     default: break;
   }
 }
 
-// Per head row of s (nc valid columns, 1 <= nc): mb[h] = max, lb[h] = Σ exp(s - mb) (FP32,
-// unrounded), s ← bf16(exp(s - mb)). Row capacity of s: round_up(nc, 8).
-TILEDECODE_TARGET_AVX2 inline void sa_softmax_block(float* s, int lds, int nh, int nc, float* mb,
+// st[j, h] = scale · Σ_d kf[j, d] · qt[d, h] for j < nc, h < nh (nh % 8 == 0).
+// qt: (dim, ldq) transposed queries; st: (nc, lds) column-major scores; rows 32-byte aligned.
+TILEDECODE_TARGET_AVX2 inline void sa_qk(float* st, int lds, const float* qt, int ldq, int nh,
+                                         const float* kf, int ldk, int nc, int dim, float scale) {
+  int h = 0;
+  for (; h + 16 <= nh; h += 16) qk_cols<2>(st + h, lds, qt + h, ldq, kf, ldk, nc, dim, scale);
+  if (h < nh) qk_cols<1>(st + h, lds, qt + h, ldq, kf, ldk, nc, dim, scale);
+}
+
+// Per head (column of st, nc >= 1 rows): mb[h] = max_j, lb[h] = Σ_j exp(st - mb) (FP32,
+// unrounded, summed in j order), st ← bf16(exp(st - mb)). Eight heads per vector, nh % 8 == 0.
+TILEDECODE_TARGET_AVX2 inline void sa_softmax_block(float* st, int lds, int nh, int nc, float* mb,
                                                     float* lb) {
-  const int n8 = (nc + 7) / 8 * 8;
-  const __m256 ninf = _mm256_set1_ps(-INFINITY);
-  for (int h = 0; h < nh; ++h) {
-    float* row = s + std::int64_t(h) * lds;
-    for (int j = nc; j < n8; ++j) row[j] = -INFINITY;  // tail lanes: e = 0
-    __m256 mx = ninf;
-    for (int j = 0; j < n8; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(row + j));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float m = _mm_cvtss_f32(m4);
-    const __m256 mv = _mm256_set1_ps(m);
+  for (int h = 0; h < nh; h += 8) {
+    float* col = st + h;
+    __m256 m = _mm256_load_ps(col);
+    for (int j = 1; j < nc; ++j) m = _mm256_max_ps(m, _mm256_load_ps(col + std::int64_t(j) * lds));
     __m256 sum = _mm256_setzero_ps();
-    for (int j = 0; j < n8; j += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + j), mv));
+    for (int j = 0; j < nc; ++j) {
+      float* x = col + std::int64_t(j) * lds;
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(x), m));
       sum = _mm256_add_ps(sum, e);
-      _mm256_storeu_ps(row + j, round_bf16_ps(e));
+      _mm256_store_ps(x, round_bf16_ps(e));
     }
-    mb[h] = m;
-    lb[h] = hsum(sum);
+    _mm256_storeu_ps(mb + h, m);
+    _mm256_storeu_ps(lb + h, sum);
   }
 }
 
-// O tile of NH heads × 16 dims: acc = Σ_j p[h, j] · kf[j, d0:d0+16]; o = α·o + γ·acc (o = γ·acc
-// on the first block, so o need not be initialised).
+// O tile of NH heads × 16 dims: acc = Σ_j p[j, h] · kf[j, d0:d0+16]; o = α·o + γ·acc (o = γ·acc
+// on the first block, so o need not be initialised). p is column-major (j, heads).
 template <int NH>
 TILEDECODE_TARGET_AVX2 inline void pv_tile(float* o, int ldo, const float* p, int ldp,
                                            const float* kf, int ldk, int nc,
@@ -163,11 +158,11 @@ TILEDECODE_TARGET_AVX2 inline void pv_tile(float* o, int ldo, const float* p, in
   for (int h = 0; h < NH; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
   const float* pj = p;
   const float* kr = kf;
-  for (int j = 0; j < nc; ++j, ++pj, kr += ldk) {
+  for (int j = 0; j < nc; ++j, pj += ldp, kr += ldk) {
     const __m256 k0 = _mm256_load_ps(kr), k1 = _mm256_load_ps(kr + 8);
 #pragma GCC unroll 8
     for (int h = 0; h < NH; ++h) {
-      const __m256 pb = _mm256_broadcast_ss(pj + std::int64_t(h) * ldp);
+      const __m256 pb = _mm256_broadcast_ss(pj + h);
       lo[h] = _mm256_fmadd_ps(pb, k0, lo[h]);
       hi[h] = _mm256_fmadd_ps(pb, k1, hi[h]);
     }
@@ -187,7 +182,7 @@ TILEDECODE_TARGET_AVX2 inline void pv_tile(float* o, int ldo, const float* p, in
   }
 }
 
-// o[h, :] = α[h]·o[h, :] + γ[h]·Σ_j p[h, j]·kf[j, :] for h < nh (first: o = γ·Σ). dim % 16 == 0.
+// o[h, :] = α[h]·o[h, :] + γ[h]·Σ_j p[j, h]·kf[j, :] for h < nh (first: o = γ·Σ). dim % 16 == 0.
 TILEDECODE_TARGET_AVX2 inline void sa_pv_merge(float* o, int ldo, const float* p, int ldp, int nh,
                                                const float* kf, int ldk, int nc, int dim,
                                                const float* alpha, const float* gamma, bool first) {
@@ -198,7 +193,7 @@ TILEDECODE_TARGET_AVX2 inline void sa_pv_merge(float* o, int ldo, const float* p
       const int left = nh - h;
       const int take = left >= 6 && left != 8 ? 6 : (left >= 4 ? 4 : left);
       float* oh = o + std::int64_t(h) * ldo + d;
-      const float* ph = p + std::int64_t(h) * ldp;
+      const float* ph = p + h;
       const float* kd = kf + d;
       switch (take) {
         case 6: pv_tile<6>(oh, ldo, ph, ldp, kd, ldk, nc, alpha + h, gamma + h, first); break;
@@ -210,6 +205,40 @@ TILEDECODE_TARGET_AVX2 inline void sa_pv_merge(float* o, int ldo, const float* p
       h += take;
     }
   }
+}
+
+// qt[d, h] = float(q[h][d]) for h < nh (nh % 8 == 0), d < dim (dim % 8 == 0): 8 × 8 tiles
+// widened and transposed in registers.
+TILEDECODE_TARGET_AVX2 inline void sa_load_q_transposed(float* qt, int ldq, const bf16* const* q,
+                                                        int nh, int dim) {
+  for (int h = 0; h < nh; h += 8)
+    for (int d = 0; d < dim; d += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = load_bf16x8(q[h + i] + d);
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+      float* dst = qt + std::int64_t(d) * ldq + h;
+      _mm256_store_ps(dst + 0 * std::int64_t(ldq), _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_store_ps(dst + 1 * std::int64_t(ldq), _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_store_ps(dst + 2 * std::int64_t(ldq), _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_store_ps(dst + 3 * std::int64_t(ldq), _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_store_ps(dst + 4 * std::int64_t(ldq), _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_store_ps(dst + 5 * std::int64_t(ldq), _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_store_ps(dst + 6 * std::int64_t(ldq), _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_store_ps(dst + 7 * std::int64_t(ldq), _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+}
+
+// dst[d] = bf16(src[d] / den) for d < n (n % 8 == 0); division and rounding as in scalar code.
+TILEDECODE_TARGET_AVX2 inline void sa_divide_round(bf16* dst, const float* src, float den, int n) {
+  const __m256 dv = _mm256_set1_ps(den);
+  for (int d = 0; d < n; d += 8) store_bf16x8(dst + d, _mm256_div_ps(_mm256_loadu_ps(src + d), dv));
 }
 
 }  // namespace tiledecode::cpu::avx2

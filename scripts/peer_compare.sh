@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# TileDecode vs an ATen (libtorch) peer on OpenBLAS, next to this machine's ceilings; writes
+# docs/performance.md and docs/img/*.png.
+#
+#   scripts/peer_compare.sh [--quick] [other peer_compare arguments...]
+#
+# Installs what is missing (Debian: libtorch-dev, libopenblas0-pthread, python3-matplotlib),
+# makes sure libblas.so.3 — the BLAS ATen's sgemm_ calls on Debian, chosen through
+# update-alternatives — is OpenBLAS (pthread) and not the reference BLAS (~50x slower: the
+# peer would be a strawman), builds peer_compare in $BUILD_DIR (default build-peer) and runs
+# it, then bench/report. The binary prints which library sgemm_ resolved to at run time; the
+# report quotes it.
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+BUILD_DIR="${BUILD_DIR:-$ROOT/build-peer}"
+OUT_JSON="${OUT_JSON:-$BUILD_DIR/peer_compare.json}"
+DOCS_DIR="${DOCS_DIR:-$ROOT/docs}"
+
+install_missing_packages libtorch-dev libopenblas0-pthread python3-matplotlib
+
+# The BLAS behind libblas.so.3 (ATen links libblas.so.3, not libopenblas directly).
+arch="$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo x86_64-linux-gnu)"
+alt="libblas.so.3-$arch"
+openblas="/usr/lib/$arch/openblas-pthread/libblas.so.3"
+current="$(update-alternatives --query "$alt" 2>/dev/null | sed -n 's/^Value: //p')"
+if [ "$current" != "$openblas" ]; then
+  echo "== libblas.so.3 is '${current:-unset}'; selecting OpenBLAS (pthread): $openblas"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo update-alternatives --set "$alt" "$openblas"
+fi
+echo "== libblas.so.3 -> $(readlink -f "/usr/lib/$arch/libblas.so.3")"
+
+cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DTILEDECODE_BUILD_TESTS=OFF -DTILEDECODE_BUILD_EXAMPLES=OFF -DTILEDECODE_BUILD_BENCH=ON
+cmake --build "$BUILD_DIR" --target peer_compare -j "$JOBS"
+
+lscpu > "$BUILD_DIR/lscpu.txt"
+"$BUILD_DIR/bench/peer/peer_compare" --json "$OUT_JSON" "$@" | tee "$BUILD_DIR/peer_compare.log"
+
+notes=()
+[ -f "$ROOT/bench/peer/notes.md" ] && notes=(--notes "$ROOT/bench/peer/notes.md")
+python3 "$ROOT/bench/report" "$OUT_JSON" --out "$DOCS_DIR" --lscpu "$BUILD_DIR/lscpu.txt" \
+  --command "scripts/peer_compare.sh $*" "${notes[@]}"
