@@ -60,8 +60,8 @@ td::Buffer<bf16>& weight_pool() {
     for (auto& v : p) {
       s = s * 1664525u + 1013904223u;
       // sign | exponent 2^-7..2^-6 | random mantissa: |w| ~ 0.01, like the checkpoint weights.
-      v = bf16::from_bits(static_cast<std::uint16_t>(((s >> 16) & 0x8000u) | 0x3c00u |
-                                                     ((s >> 8) & 0xffu)));
+      v = bf16::from_bits(
+          static_cast<std::uint16_t>(((s >> 16) & 0x8000u) | 0x3c00u | ((s >> 8) & 0xffu)));
     }
     return p;
   }();
@@ -143,15 +143,15 @@ struct Setup {
     const tk::CompressorWeights wt{td::ConstView<bf16, 2>(w, {OUT, D}),
                                    td::ConstView<bf16, 2>(w + OUT * D, {OUT, D}), ape.view(),
                                    norm_w.view()};
-    const tk::CompressorMetadata meta{shape, positions.view(), state_slots.view(),
-                                      cmp_slots.view(), state_table.view()};
+    const tk::CompressorMetadata meta{shape, positions.view(), state_slots.view(), cmp_slots.view(),
+                                      state_table.view()};
     if (kind == Kind::inner) {
       tk::indexer_compressor_step(ctx, cfg(), state.view(), idx.view(), idx_scale.view(),
                                   kv_out.view(), x_n.view(), wt, hadamard.view(), meta,
                                   rope_table().view(), ws.view());
     } else {
-      tk::compressor_step(ctx, cfg(), spec, state.view(), cmp.view(), kv_out.view(), x_n.view(),
-                          wt, meta, rope_table().view(), ws.view());
+      tk::compressor_step(ctx, cfg(), spec, state.view(), cmp.view(), kv_out.view(), x_n.view(), wt,
+                          meta, rope_table().view(), ws.view());
     }
   }
 };
@@ -190,16 +190,31 @@ void args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"T", "threads"})->UseRealTime()->Unit(benchmark::kMicrosecond);
 }
 void boundary_args(benchmark::internal::Benchmark* b) {
-  b->Args({8, 1})->Args({8, 2})->ArgNames({"T", "threads"})->UseRealTime()->Unit(
-      benchmark::kMicrosecond);
+  b->Args({8, 1})
+      ->Args({8, 2})
+      ->ArgNames({"T", "threads"})
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
 }
 
-void BM_csa_compressor(benchmark::State& st) { run(st, Kind::csa, false); }
-void BM_hca_compressor(benchmark::State& st) { run(st, Kind::hca, false); }
-void BM_indexer_compressor(benchmark::State& st) { run(st, Kind::inner, false); }
-void BM_csa_compressor_boundary(benchmark::State& st) { run(st, Kind::csa, true); }
-void BM_hca_compressor_boundary(benchmark::State& st) { run(st, Kind::hca, true); }
-void BM_indexer_compressor_boundary(benchmark::State& st) { run(st, Kind::inner, true); }
+void BM_csa_compressor(benchmark::State& st) {
+  run(st, Kind::csa, false);
+}
+void BM_hca_compressor(benchmark::State& st) {
+  run(st, Kind::hca, false);
+}
+void BM_indexer_compressor(benchmark::State& st) {
+  run(st, Kind::inner, false);
+}
+void BM_csa_compressor_boundary(benchmark::State& st) {
+  run(st, Kind::csa, true);
+}
+void BM_hca_compressor_boundary(benchmark::State& st) {
+  run(st, Kind::hca, true);
+}
+void BM_indexer_compressor_boundary(benchmark::State& st) {
+  run(st, Kind::inner, true);
+}
 
 BENCHMARK(BM_csa_compressor)->Apply(args);
 BENCHMARK(BM_hca_compressor)->Apply(args);

@@ -97,13 +97,22 @@ void run_steps(benchmark::State& state, int first, int last) {
   const double gbps = double(weight_bytes) / secs_per_step * 1e-9;
   state.counters["weight_GBps"] = gbps;
   state.counters["pct_of_ceiling"] = 100.0 * gbps / tdbench::read_gbps(threads);
-  state.counters["tokens_per_s"] = benchmark::Counter(double(kB), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens_per_s"] =
+      benchmark::Counter(double(kB), benchmark::Counter::kIsIterationInvariantRate);
 }
 
-void BM_decode_step_swa(benchmark::State& s) { run_steps(s, 0, 1); }
-void BM_decode_step_csa(benchmark::State& s) { run_steps(s, 2, 3); }
-void BM_decode_step_hca(benchmark::State& s) { run_steps(s, 3, 4); }
-void BM_decode_step_4layers(benchmark::State& s) { run_steps(s, 0, 4); }
+void BM_decode_step_swa(benchmark::State& s) {
+  run_steps(s, 0, 1);
+}
+void BM_decode_step_csa(benchmark::State& s) {
+  run_steps(s, 2, 3);
+}
+void BM_decode_step_hca(benchmark::State& s) {
+  run_steps(s, 3, 4);
+}
+void BM_decode_step_4layers(benchmark::State& s) {
+  run_steps(s, 0, 4);
+}
 
 BENCHMARK(BM_decode_step_swa)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_decode_step_csa)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -16,8 +16,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <ctime>
 #include <cstdint>
+#include <ctime>
 #include <map>
 #include <memory>
 #include <span>
@@ -92,7 +92,8 @@ struct AttnProblem {
   td::RopeTable rope;
   double flops = 0, bytes = 0;
 
-  AttnProblem(const td::ModelConfig& c, LayerKind k, int batch) : cfg(c), kind(k), B(batch), T(index_t(batch) * 2) {
+  AttnProblem(const td::ModelConfig& c, LayerKind k, int batch)
+      : cfg(c), kind(k), B(batch), T(index_t(batch) * 2) {
     tdtest::Rng rng(7);
     const index_t ori_blocks = 128, cmp_blocks = 32;
     const std::vector<std::int32_t> starts(B, k == LayerKind::hca ? 16382 : 8192);
@@ -118,7 +119,8 @@ struct AttnProblem {
                                     ori_blocks, sh, cfg);
     topk = td::Tensor<std::int32_t, 2>({T, cfg.idx_topk});
     for (index_t t = 0; t < T; ++t)
-      for (int i = 0; i < cfg.idx_topk; ++i) topk.view()(t, i) = (i * 3 + int(t)) % 2048;  // distinct, visible
+      for (int i = 0; i < cfg.idx_topk; ++i)
+        topk.view()(t, i) = (i * 3 + int(t)) % 2048;  // distinct, visible
     sink = td::Tensor<float, 1>({cfg.n_heads});
     rope = td::make_rope_table(cfg, kind, cfg.max_seq_len);
     // Valid columns per token (all compressed ids visible at these starts).
@@ -139,8 +141,10 @@ std::map<std::string, std::unique_ptr<AttnProblem>>& attn_cache() {
   return m;
 }
 
-void bm_sparse_attn(benchmark::State& state, td::ModelConfig cfg, LayerKind kind, int batch, int threads) {
-  auto& slot = attn_cache()[std::string(cfg.name) + std::string(td::to_string(kind)) + std::to_string(batch)];
+void bm_sparse_attn(benchmark::State& state, td::ModelConfig cfg, LayerKind kind, int batch,
+                    int threads) {
+  auto& slot = attn_cache()[std::string(cfg.name) + std::string(td::to_string(kind)) +
+                            std::to_string(batch)];
   if (!slot) slot = std::make_unique<AttnProblem>(cfg, kind, batch);
   AttnProblem& p = *slot;
   std::unique_ptr<td::ThreadPool> pool;
@@ -179,9 +183,11 @@ struct OprojProblem {
   OprojProblem(const td::ModelConfig& c, index_t t) : cfg(c), T(t) {
     tdtest::Rng rng(3);
     wo_a = td::Tensor<bf16, 3>({cfg.o_groups, cfg.o_lora, cfg.o_group_in()});
-    for (std::size_t i = 0; i < wo_a.size(); ++i) wo_a.data()[i] = bf16(float(int(i % 61) - 30) * 1e-3f);
+    for (std::size_t i = 0; i < wo_a.size(); ++i)
+      wo_a.data()[i] = bf16(float(int(i % 61) - 30) * 1e-3f);
     wo_b = td::Tensor<std::int8_t, 2>({cfg.hidden, index_t(cfg.o_groups) * cfg.o_lora});
-    for (std::size_t i = 0; i < wo_b.size(); ++i) wo_b.data()[i] = std::int8_t(int(i * 7 % 255) - 127);
+    for (std::size_t i = 0; i < wo_b.size(); ++i)
+      wo_b.data()[i] = std::int8_t(int(i * 7 % 255) - 127);
     scale = td::Tensor<float, 1>({cfg.hidden});
     for (index_t n = 0; n < cfg.hidden; ++n) scale.view()(n) = 1e-3f;
     o = td::Tensor<bf16, 2>({index_t(cfg.o_groups) * T, cfg.o_group_in()});
@@ -210,7 +216,8 @@ void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int threa
     benchmark::DoNotOptimize(p.out.data());
   }
   const double n = double(state.iterations());
-  const double G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in(), N = cfg.hidden, T = double(p.T);
+  const double G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in(), N = cfg.hidden,
+               T = double(p.T);
   const double flops_a = T * G * R * K * 2, ops_b = T * N * G * R * 2;
   const double bytes = G * R * K * 2 + N * G * R + T * G * K * 2 + T * N * 2;
   // Roofline times: memory (wall, `threads` readers) and compute (CPU-s of one core).
@@ -261,8 +268,8 @@ const int kRegistered = [] {
       }
   for (int batch : {4, 64})
     for (int threads : {1, 2}) {
-      const std::string name = "oproj_flash/B:" + std::to_string(batch) + "/S:2/threads:" +
-                               std::to_string(threads);
+      const std::string name =
+          "oproj_flash/B:" + std::to_string(batch) + "/S:2/threads:" + std::to_string(threads);
       benchmark::RegisterBenchmark(name.c_str(), bm_oproj, td::flash_config(), batch, threads)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();

@@ -80,24 +80,38 @@ Options parse(int argc, char** argv) {
       char* end = nullptr;
       const long x = std::strtol(v.c_str(), &end, 10);
       if (end == v.c_str() || *end) {
-        std::fprintf(stderr, "decode_step: %s expects an integer, got '%s'\n", a.c_str(), v.c_str());
+        std::fprintf(stderr, "decode_step: %s expects an integer, got '%s'\n", a.c_str(),
+                     v.c_str());
         usage(2);
       }
       return int(x);
     };
-    if (a == "--layers") o.layers = next_int();
-    else if (a == "--preset") o.preset = next();
-    else if (a == "--context") o.context = next_int();
-    else if (a == "--batch") o.batch = next_int();
-    else if (a == "--steps") o.steps = next_int();
-    else if (a == "--threads") o.threads = next_int();
-    else if (a == "--isa") o.isa = next();
-    else if (a == "--seed") o.seed = std::uint64_t(std::strtoull(next().c_str(), nullptr, 10));
-    else if (a == "--check") o.check = true;
-    else if (a == "--dump") o.dump = next();
-    else if (a == "--dump-weights") o.dump_weights = true;
-    else if (a == "--backend") o.backend = next();
-    else if (a == "--help" || a == "-h") usage(0);
+    if (a == "--layers")
+      o.layers = next_int();
+    else if (a == "--preset")
+      o.preset = next();
+    else if (a == "--context")
+      o.context = next_int();
+    else if (a == "--batch")
+      o.batch = next_int();
+    else if (a == "--steps")
+      o.steps = next_int();
+    else if (a == "--threads")
+      o.threads = next_int();
+    else if (a == "--isa")
+      o.isa = next();
+    else if (a == "--seed")
+      o.seed = std::uint64_t(std::strtoull(next().c_str(), nullptr, 10));
+    else if (a == "--check")
+      o.check = true;
+    else if (a == "--dump")
+      o.dump = next();
+    else if (a == "--dump-weights")
+      o.dump_weights = true;
+    else if (a == "--backend")
+      o.backend = next();
+    else if (a == "--help" || a == "-h")
+      usage(0);
     else {
       std::fprintf(stderr, "decode_step: unknown argument '%s'\n", a.c_str());
       usage(2);
@@ -122,7 +136,9 @@ double seconds_since(Clock::time_point t0) {
 // ---- --dump: .npy files + manifest.json ------------------------------------------------------
 class Dumper {
  public:
-  explicit Dumper(std::string dir) : dir_(std::move(dir)) { std::filesystem::create_directories(dir_); }
+  explicit Dumper(std::string dir) : dir_(std::move(dir)) {
+    std::filesystem::create_directories(dir_);
+  }
 
   template <class T, std::size_t R>
   void add(const std::string& sub, const std::string& name, td::View<T, R> v, int layer,
@@ -134,18 +150,19 @@ class Dumper {
     std::string shape = "[";
     for (std::size_t d = 0; d < R; ++d) shape += (d ? ", " : "") + std::to_string(v.extent(d));
     shape += "]";
-    entries_.push_back("    {\"name\": \"" + name + "\", \"file\": \"" + file + "\", \"shape\": " + shape +
-                       ", \"dtype\": \"" + std::string(td::io::dtype_name<T>()) + "\", \"layer\": " +
-                       std::to_string(layer) + ", \"kind\": \"" + std::string(kind) +
-                       "\", \"kernel\": \"" + kernel + "\", \"role\": \"" + role +
-                       "\", \"meaning\": \"" + meaning + "\"}");
+    entries_.push_back("    {\"name\": \"" + name + "\", \"file\": \"" + file + "\", \"shape\": " +
+                       shape + ", \"dtype\": \"" + std::string(td::io::dtype_name<T>()) +
+                       "\", \"layer\": " + std::to_string(layer) + ", \"kind\": \"" +
+                       std::string(kind) + "\", \"kernel\": \"" + kernel + "\", \"role\": \"" +
+                       role + "\", \"meaning\": \"" + meaning + "\"}");
     bytes_ += std::size_t(v.size()) * sizeof(T);
   }
 
   void finish(const std::string& header) {
     std::ofstream f(dir_ + "/manifest.json");
     f << "{\n" << header << "  \"tensors\": [\n";
-    for (std::size_t i = 0; i < entries_.size(); ++i) f << entries_[i] << (i + 1 < entries_.size() ? ",\n" : "\n");
+    for (std::size_t i = 0; i < entries_.size(); ++i)
+      f << entries_[i] << (i + 1 < entries_.size() ? ",\n" : "\n");
     f << "  ]\n}\n";
   }
   std::size_t files() const { return entries_.size(); }
@@ -173,21 +190,30 @@ void dump_layer(Dumper& d, int l, const td::decode::LayerWeights& w,
   std::snprintf(sub, sizeof sub, "L%02d_%s", l, std::string(kind).c_str());
   const std::string s = sub;
   const bool swa = k == td::LayerKind::swa, csa = k == td::LayerKind::csa;
-  auto add = [&](const std::string& name, auto view, const std::string& kernel, const std::string& role,
-                 const std::string& meaning) { d.add(s, name, view, l, kind, kernel, role, meaning); };
+  auto add = [&](const std::string& name, auto view, const std::string& kernel,
+                 const std::string& role, const std::string& meaning) {
+    d.add(s, name, view, l, kind, kernel, role, meaning);
+  };
   // metadata (spec §3.7)
-  add("position_ids", mut(md.position_ids()), "metadata", "input", "absolute position of token t = b*S + s");
-  add("kv_seq_lens", mut(md.kv_seq_lens()), "metadata", "input", "committed length per request (start + commit_tokens)");
-  add("block_table", mut(md.tables().block_table), "metadata", "input", "ori KV block table [B, 128], page 128");
-  add(swa ? "swa_slot_mapping" : "ori_slot_mapping", mut(md.ori_slot_mapping()), "metadata", "input",
-      "kv_cache row written by each token (-1 = skip)");
+  add("position_ids", mut(md.position_ids()), "metadata", "input",
+      "absolute position of token t = b*S + s");
+  add("kv_seq_lens", mut(md.kv_seq_lens()), "metadata", "input",
+      "committed length per request (start + commit_tokens)");
+  add("block_table", mut(md.tables().block_table), "metadata", "input",
+      "ori KV block table [B, 128], page 128");
+  add(swa ? "swa_slot_mapping" : "ori_slot_mapping", mut(md.ori_slot_mapping()), "metadata",
+      "input", "kv_cache row written by each token (-1 = skip)");
   add(swa ? "swa_indices" : "window_swa_indices", mut(md.window_indices()), "metadata", "input",
       "physical kv_cache rows of each token's window, oldest to newest, -1 padded");
-  add(swa ? "swa_lens" : "window_swa_lens", mut(md.window_lens()), "metadata", "input", "valid window length per token");
-  add("freqs_cos", mut(rope.view().cos), "qkv_proj_rope", "input", "the layer's RoPE cos table [MAX_SEQ_LEN, 64]");
-  add("freqs_sin", mut(rope.view().sin), "qkv_proj_rope", "input", "the layer's RoPE sin table [MAX_SEQ_LEN, 64]");
+  add(swa ? "swa_lens" : "window_swa_lens", mut(md.window_lens()), "metadata", "input",
+      "valid window length per token");
+  add("freqs_cos", mut(rope.view().cos), "qkv_proj_rope", "input",
+      "the layer's RoPE cos table [MAX_SEQ_LEN, 64]");
+  add("freqs_sin", mut(rope.view().sin), "qkv_proj_rope", "input",
+      "the layer's RoPE sin table [MAX_SEQ_LEN, 64]");
   if (!swa) {
-    add("cmp_block_table", mut(md.tables().cmp_block_table), "metadata", "input", "compressed KV block table, page 128");
+    add("cmp_block_table", mut(md.tables().cmp_block_table), "metadata", "input",
+        "compressed KV block table, page 128");
     add(csa ? "csa_cmp_slot_mapping" : "hca_cmp_slot_mapping",
         mut(csa ? md.csa_cmp_slot_mapping() : md.hca_cmp_slot_mapping()), "metadata", "input",
         "cmp_kv row emitted by a committed window boundary (-1 = none)");
@@ -199,48 +225,76 @@ void dump_layer(Dumper& d, int l, const td::decode::LayerWeights& w,
         "compressor state block table (page 4 / 8)");
   }
   if (csa) {
-    add("csa_idx_slot_mapping", mut(md.csa_idx_slot_mapping()), "metadata", "input", "index cache row emitted per token (-1 = none)");
-    add("csa_inner_state_slot_mapping", mut(md.csa_inner_state_slot_mapping()), "metadata", "input", "indexer compressor state row of each token");
-    add("csa_inner_state_table", mut(md.tables().csa_inner_state_table), "metadata", "input", "indexer compressor state block table");
-    add("idx_block_table", mut(md.tables().idx_block_table), "metadata", "input", "index cache block table, page 128");
+    add("csa_idx_slot_mapping", mut(md.csa_idx_slot_mapping()), "metadata", "input",
+        "index cache row emitted per token (-1 = none)");
+    add("csa_inner_state_slot_mapping", mut(md.csa_inner_state_slot_mapping()), "metadata", "input",
+        "indexer compressor state row of each token");
+    add("csa_inner_state_table", mut(md.tables().csa_inner_state_table), "metadata", "input",
+        "indexer compressor state block table");
+    add("idx_block_table", mut(md.tables().idx_block_table), "metadata", "input",
+        "index cache block table, page 128");
   }
   // hc_pre, rmsnorm, qkv
   add("x_hc", mut(x_hc), "hc_pre", "input", "layer input: hyper-connection stack [T, 4, D] FP32");
   add("x_mixed", v.x_mixed, "hc_pre", "output", "mixed hidden row (BF16)");
   add("post", v.post, "hc_pre", "output", "hc_post gate per output stream");
   add("comb", v.comb, "hc_pre", "output", "Sinkhorn-normalised combine [t, i, o]");
-  add("x_n", v.x_n, "rmsnorm", "output", "attention-RMSNorm output (input of qkv, compressors, indexer)");
-  add("q", v.q, "qkv_proj_rope", "output", "query heads after per-head RMSNorm and RoPE [T, H, 512]");
-  add("kv", v.kv, "qkv_proj_rope", "output", "new KV row per token after RMSNorm and RoPE [T, 512]");
+  add("x_n", v.x_n, "rmsnorm", "output",
+      "attention-RMSNorm output (input of qkv, compressors, indexer)");
+  add("q", v.q, "qkv_proj_rope", "output",
+      "query heads after per-head RMSNorm and RoPE [T, H, 512]");
+  add("kv", v.kv, "qkv_proj_rope", "output",
+      "new KV row per token after RMSNorm and RoPE [T, 512]");
   add("qr", v.qr, "qkv_proj_rope", "output", "INT8 q-latent Q8(cq)");
   add("qr_scale", v.qr_scale, "qkv_proj_rope", "output", "dequant scale of qr per token");
-  add("kv_cache.before", before.kv_cache.view(), "kv_cache_write", "state_before", "ori KV pool [blocks*128, 512] before the step");
-  add("kv_cache.after", after.kv_cache.view(), "kv_cache_write", "state_after", "ori KV pool after the write (input of sparse_attn)");
+  add("kv_cache.before", before.kv_cache.view(), "kv_cache_write", "state_before",
+      "ori KV pool [blocks*128, 512] before the step");
+  add("kv_cache.after", after.kv_cache.view(), "kv_cache_write", "state_after",
+      "ori KV pool after the write (input of sparse_attn)");
   if (!swa) {
-    add("compress_state.before", before.state.view(), "compressor", "state_before", "compressor state pool [rows, 2*OUT_DIM] = [kv | score]");
-    add("compress_state.after", after.state.view(), "compressor", "state_after", "compressor state pool after the step");
-    add("cmp_kv.before", before.cmp_kv.view(), "compressor", "state_before", "compressed KV pool [blocks*128, 512]");
-    add("cmp_kv.after", after.cmp_kv.view(), "compressor", "state_after", "compressed KV pool after the step (input of sparse_attn)");
-    add("compressor_kv_out", v.cmp_kv_out, "compressor", "output", "FP32 emitted compressed row per request (zero if none)");
+    add("compress_state.before", before.state.view(), "compressor", "state_before",
+        "compressor state pool [rows, 2*OUT_DIM] = [kv | score]");
+    add("compress_state.after", after.state.view(), "compressor", "state_after",
+        "compressor state pool after the step");
+    add("cmp_kv.before", before.cmp_kv.view(), "compressor", "state_before",
+        "compressed KV pool [blocks*128, 512]");
+    add("cmp_kv.after", after.cmp_kv.view(), "compressor", "state_after",
+        "compressed KV pool after the step (input of sparse_attn)");
+    add("compressor_kv_out", v.cmp_kv_out, "compressor", "output",
+        "FP32 emitted compressed row per request (zero if none)");
   }
   if (csa) {
-    add("idx_compress_state.before", before.inner_state.view(), "indexer_compressor", "state_before", "indexer compressor state pool [rows, 512]");
-    add("idx_compress_state.after", after.inner_state.view(), "indexer_compressor", "state_after", "indexer compressor state pool after the step");
-    add("idx_kv_cache.before", before.idx_kv_cache.view(), "indexer_compressor", "state_before", "INT8 index cache [blocks*128, 128]");
-    add("idx_kv_cache.after", after.idx_kv_cache.view(), "indexer_compressor", "state_after", "INT8 index cache after the step (input of indexer score)");
-    add("idx_kv_scale.before", before.idx_kv_scale.view(), "indexer_compressor", "state_before", "index cache dequant scale per row");
-    add("idx_kv_scale.after", after.idx_kv_scale.view(), "indexer_compressor", "state_after", "index cache dequant scale after the step");
-    add("idx_kv_out", v.idx_kv_out, "indexer_compressor", "output", "FP32 emitted inner row before Hadamard (zero if none)");
-    add("idx_rope_pos", v.idx_rope_pos, "indexer_query", "input", "RoPE position of the indexer query per token");
-    add("q_i8", v.idx_q_i8, "indexer_query", "output", "INT8 indexer query [T, 64, 128] after RoPE, Hadamard, Q8");
+    add("idx_compress_state.before", before.inner_state.view(), "indexer_compressor",
+        "state_before", "indexer compressor state pool [rows, 512]");
+    add("idx_compress_state.after", after.inner_state.view(), "indexer_compressor", "state_after",
+        "indexer compressor state pool after the step");
+    add("idx_kv_cache.before", before.idx_kv_cache.view(), "indexer_compressor", "state_before",
+        "INT8 index cache [blocks*128, 128]");
+    add("idx_kv_cache.after", after.idx_kv_cache.view(), "indexer_compressor", "state_after",
+        "INT8 index cache after the step (input of indexer score)");
+    add("idx_kv_scale.before", before.idx_kv_scale.view(), "indexer_compressor", "state_before",
+        "index cache dequant scale per row");
+    add("idx_kv_scale.after", after.idx_kv_scale.view(), "indexer_compressor", "state_after",
+        "index cache dequant scale after the step");
+    add("idx_kv_out", v.idx_kv_out, "indexer_compressor", "output",
+        "FP32 emitted inner row before Hadamard (zero if none)");
+    add("idx_rope_pos", v.idx_rope_pos, "indexer_query", "input",
+        "RoPE position of the indexer query per token");
+    add("q_i8", v.idx_q_i8, "indexer_query", "output",
+        "INT8 indexer query [T, 64, 128] after RoPE, Hadamard, Q8");
     add("q_scale", v.idx_q_scale, "indexer_query", "output", "indexer query dequant scale [T, 64]");
-    add("weights", v.idx_weights, "indexer_query", "output", "indexer head weights (x_n @ weights_proj) / sqrt(8192)");
-    add("score", v.score, "indexer_score", "output", "indexer score [T, 4096]; -3.4028235e38 past the visible rows");
-    add("topk_idxs", v.topk_idxs, "indexer_topk", "output", "top-512 compressed row ids per token, -1 padded");
+    add("weights", v.idx_weights, "indexer_query", "output",
+        "indexer head weights (x_n @ weights_proj) / sqrt(8192)");
+    add("score", v.score, "indexer_score", "output",
+        "indexer score [T, 4096]; -3.4028235e38 past the visible rows");
+    add("topk_idxs", v.topk_idxs, "indexer_topk", "output",
+        "top-512 compressed row ids per token, -1 padded");
   }
-  add("o_packed", v.o_packed, "sparse_attn", "output", "attention output, packed [O_GROUPS*T, 4096] BF16 after inverse RoPE");
+  add("o_packed", v.o_packed, "sparse_attn", "output",
+      "attention output, packed [O_GROUPS*T, 4096] BF16 after inverse RoPE");
   add("attn_out", v.attn_out, "o_proj", "output", "grouped W8A8 output projection [T, D] BF16");
-  add("x_out", mut(x_out), "hc_post", "output", "layer output: hyper-connection stack [T, 4, D] FP32");
+  add("x_out", mut(x_out), "hc_post", "output",
+      "layer output: hyper-connection stack [T, 4, D] FP32");
   if (!weights) return;
   add("attn_sink", mut(w.attn_sink), "sparse_attn", "weight", "attention sink per head");
   add("hc_fn", mut(w.hc.fn), "hc_pre", "weight", "hyper-connection mix weights [24, 4D]");
@@ -264,13 +318,18 @@ void dump_layer(Dumper& d, int l, const td::decode::LayerWeights& w,
   }
   if (csa) {
     add("idx_wq_b", mut(w.indexer.wq_b), "indexer_query", "weight", "INT8 [Q_LORA, 64*128]");
-    add("idx_wq_b_scale", mut(w.indexer.wq_b_scale), "indexer_query", "weight", "per-column dequant scale");
+    add("idx_wq_b_scale", mut(w.indexer.wq_b_scale), "indexer_query", "weight",
+        "per-column dequant scale");
     add("weights_proj", mut(w.indexer.weights_proj), "indexer_query", "weight", "[D, 64]");
     add("hadamard_idx", mut(w.indexer.hadamard), "indexer_query", "weight", "[128, 128] rotation");
-    add("idx_compressor_wkv", mut(w.indexer.compressor.wkv), "indexer_compressor", "weight", "[256, D]");
-    add("idx_compressor_wgate", mut(w.indexer.compressor.wgate), "indexer_compressor", "weight", "[256, D]");
-    add("idx_compressor_ape", mut(w.indexer.compressor.ape), "indexer_compressor", "weight", "[4, 256]");
-    add("idx_compressor_norm_w", mut(w.indexer.compressor.norm_w), "indexer_compressor", "weight", "[128]");
+    add("idx_compressor_wkv", mut(w.indexer.compressor.wkv), "indexer_compressor", "weight",
+        "[256, D]");
+    add("idx_compressor_wgate", mut(w.indexer.compressor.wgate), "indexer_compressor", "weight",
+        "[256, D]");
+    add("idx_compressor_ape", mut(w.indexer.compressor.ape), "indexer_compressor", "weight",
+        "[4, 256]");
+    add("idx_compressor_norm_w", mut(w.indexer.compressor.norm_w), "indexer_compressor", "weight",
+        "[128]");
   }
 }
 
@@ -285,21 +344,24 @@ int main(int argc, char** argv) try {
   td::check_range("decode_step", "--steps", opt.steps, 1, cfg.max_seq_len);
   td::check_range("decode_step", "--context", opt.context, 0, cfg.max_seq_len - opt.steps - S + 1);
   if (td::decode::backend_by_name(opt.backend) != td::decode::BackendKind::cpu) {
-    std::printf("decode_step: the a2a3 backend has no full decode-step schedule yet "
-                "(backend/a2a3 models the indexer and sparse attention); use --backend cpu\n");
+    std::printf(
+        "decode_step: the a2a3 backend has no full decode-step schedule yet "
+        "(backend/a2a3 models the indexer and sparse attention); use --backend cpu\n");
     return 2;
   }
-  const std::size_t threads = opt.threads > 0 ? std::size_t(opt.threads) : td::ThreadPool::default_threads();
+  const std::size_t threads =
+      opt.threads > 0 ? std::size_t(opt.threads) : td::ThreadPool::default_threads();
   td::ThreadPool pool(threads);
   const td::decode::Backend be =
       opt.isa.empty() ? td::decode::Backend::cpu(&pool)
-                      : td::decode::Backend::cpu(&pool, opt.isa == "scalar" ? td::cpu::Isa::scalar
-                                                                            : td::cpu::Isa::avx2);
+                      : td::decode::Backend::cpu(
+                            &pool, opt.isa == "scalar" ? td::cpu::Isa::scalar : td::cpu::Isa::avx2);
   const index_t T = index_t(B) * S, D = cfg.hidden;
-  std::printf("DeepSeek-V4-%s attention decode: %d layers, batch %d x S=%d (MTP, commit 1), context %d, "
-              "%d steps, %zu threads, isa %s\n",
-              std::string(cfg.name).c_str(), L, B, S, opt.context, opt.steps, threads,
-              std::string(td::cpu::to_string(be.cpu_ctx.isa)).c_str());
+  std::printf(
+      "DeepSeek-V4-%s attention decode: %d layers, batch %d x S=%d (MTP, commit 1), context %d, "
+      "%d steps, %zu threads, isa %s\n",
+      std::string(cfg.name).c_str(), L, B, S, opt.context, opt.steps, threads,
+      std::string(td::cpu::to_string(be.cpu_ctx.isa)).c_str());
 
   // ---- the stack: weights, pools, tables (spec §1.3 deployment, scaled for B > 4)
   const auto t_setup = Clock::now();
@@ -317,7 +379,8 @@ int main(int argc, char** argv) try {
     td::decode::synthetic::fill_caches(be.cpu_ctx, *C.back(), cfg, l, opt.seed);
     weight_bytes += W.back()->bytes();
     cache_bytes += C.back()->bytes();
-    std::fprintf(stderr, "\r  building layer %d/%d (%s)   ", l + 1, L, std::string(td::to_string(k)).c_str());
+    std::fprintf(stderr, "\r  building layer %d/%d (%s)   ", l + 1, L,
+                 std::string(td::to_string(k)).c_str());
   }
   std::fprintf(stderr, "\r%40s\r", "");
   const td::RopeTable rope_swa = td::make_rope_table(cfg, td::LayerKind::swa, cfg.max_seq_len);
@@ -339,8 +402,8 @@ int main(int argc, char** argv) try {
   std::vector<std::int32_t> starts(std::size_t(B), opt.context);
   td::decode::KernelTimes times, first_step;
   double step_seconds = 0, metadata_seconds = 0;
-  std::vector<td::decode::LayerCacheStorage> snapshot;       // pools before the last step
-  std::vector<td::Tensor<float, 3>> layer_in, layer_out;     // last step, per layer
+  std::vector<td::decode::LayerCacheStorage> snapshot;    // pools before the last step
+  std::vector<td::Tensor<float, 3>> layer_in, layer_out;  // last step, per layer
   std::unique_ptr<Dumper> dumper;
   if (!opt.dump.empty()) dumper = std::make_unique<Dumper>(opt.dump);
   bool dumped[3] = {false, false, false};
@@ -385,7 +448,8 @@ int main(int argc, char** argv) try {
       metadata_seconds += t_md;
     }
     if (progress || opt.steps <= 32)
-      std::fprintf(stderr, "  step %d/%d  start %d  %.1f ms\n", step + 1, opt.steps, starts[0], dt * 1e3);
+      std::fprintf(stderr, "  step %d/%d  start %d  %.1f ms\n", step + 1, opt.steps, starts[0],
+                   dt * 1e3);
     for (auto& s : starts) s += 1;  // commit_tokens = 1
   }
 
@@ -395,7 +459,8 @@ int main(int argc, char** argv) try {
     times = first_step;
     step_seconds = times.total();
   }
-  std::printf("\nper-kernel time per decode step (%d layers, mean of %d steps after the first):\n", L, timed);
+  std::printf("\nper-kernel time per decode step (%d layers, mean of %d steps after the first):\n",
+              L, timed);
   std::printf("  %-16s %10s %8s %8s\n", "kernel", "ms/step", "share", "calls");
   const double total = times.total();
   for (int i = 0; i < td::decode::kNumKernels; ++i) {
@@ -408,19 +473,23 @@ int main(int argc, char** argv) try {
   std::printf("  %-16s %10.3f\n", "metadata build", metadata_seconds * 1e3 / timed);
   std::printf("  %-16s %10.3f   (wall, all layers)\n", "step", step_seconds * 1e3 / timed);
   const double per_step = step_seconds / timed;
-  std::printf("throughput: %.1f committed tokens/s (%d per step), %.1f token rows/s (%lld per step incl. drafts)\n",
-              double(B) / per_step, B, double(T) / per_step, (long long)T);
+  std::printf(
+      "throughput: %.1f committed tokens/s (%d per step), %.1f token rows/s (%lld per step incl. "
+      "drafts)\n",
+      double(B) / per_step, B, double(T) / per_step, (long long)T);
   std::printf("peak memory (VmHWM): %.0f MiB\n", peak_rss_mib());
   if (dumper) {
-    dumper->finish("  \"preset\": \"" + std::string(cfg.name) + "\", \"batch\": " + std::to_string(B) +
-                   ", \"seq\": 2, \"commit_tokens\": 1, \"step_start\": " +
-                   std::to_string(starts[0] - 1) + ",\n  \"note\": \"BF16 tensors are stored as uint16 bits "
-                   "(dtype bfloat16); pools are flattened to [blocks*page, width]\",\n");
+    dumper->finish(
+        "  \"preset\": \"" + std::string(cfg.name) + "\", \"batch\": " + std::to_string(B) +
+        ", \"seq\": 2, \"commit_tokens\": 1, \"step_start\": " + std::to_string(starts[0] - 1) +
+        ",\n  \"note\": \"BF16 tensors are stored as uint16 bits "
+        "(dtype bfloat16); pools are flattened to [blocks*page, width]\",\n");
     std::printf("dump: %zu files, %.0f MiB in %s (manifest.json)\n", dumper->files(),
                 double(dumper->bytes()) / 1048576.0, opt.dump.c_str());
   }
   if (opt.check) {
-    std::printf("\ncheck: last step of every layer against the golden layer (same inputs and pools):\n");
+    std::printf(
+        "\ncheck: last step of every layer against the golden layer (same inputs and pools):\n");
     const std::vector<std::int32_t> last_starts(std::size_t(B), opt.context + opt.steps - 1);
     double worst = 0;
     for (int l = 0; l < L; ++l) {
@@ -435,15 +504,18 @@ int main(int argc, char** argv) try {
         const double a = layer_out[l].data()[i], e = gold.data()[i], d = std::fabs(a - e);
         max_diff = std::max(max_diff, d);
         max_ref = std::max(max_ref, std::fabs(e));
-        const double den = std::max({std::fabs(a), std::fabs(e), std::ldexp(1.0, -14) / thd}) + 1e-9;
+        const double den =
+            std::max({std::fabs(a), std::fabs(e), std::ldexp(1.0, -14) / thd}) + 1e-9;
         if ((d < thd ? d : d / den) > thd) ++over;
       }
       const double rel = max_diff / std::max(max_ref, 1e-30);
       const double pct = 100.0 * double(over) / double(gold.size());
       worst = std::max(worst, rel);
-      std::printf("  layer %2d %-3s  max|diff| %.3e  max|ref| %.3e  rel %.3e  over %.0e: %.3f%% (%s, spec <= 0.8%%)  %.1f s\n",
-                  l, std::string(td::to_string(Wv[l].kind)).c_str(), max_diff, max_ref, rel, thd, pct,
-                  pct <= 0.8 ? "pass" : "FAIL", seconds_since(t0));
+      std::printf(
+          "  layer %2d %-3s  max|diff| %.3e  max|ref| %.3e  rel %.3e  over %.0e: %.3f%% (%s, spec "
+          "<= 0.8%%)  %.1f s\n",
+          l, std::string(td::to_string(Wv[l].kind)).c_str(), max_diff, max_ref, rel, thd, pct,
+          pct <= 0.8 ? "pass" : "FAIL", seconds_since(t0));
     }
     std::printf("max_rel_err=%.6e\n", worst);
   }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <sstream>
@@ -361,6 +362,23 @@ TEST(A2a3Ring, BackPressureDelaysTheProducer) {
 // ---------------------------------------------------------------------------------------------
 // Indexer: functional results and cost-model invariants
 
+// Test-name suffix from a parameter's printed form: alphanumerics kept, the rest "_".
+struct ParamName {
+  template <class P>
+  std::string operator()(const testing::TestParamInfo<P>& info) const {
+    std::string r;
+    for (char c : testing::PrintToString(info.param)) {
+      const bool ok = std::isalnum(static_cast<unsigned char>(c)) != 0;
+      if (ok)
+        r += c;
+      else if (!r.empty() && r.back() != '_')
+        r += '_';
+    }
+    while (!r.empty() && r.back() == '_') r.pop_back();
+    return r;
+  }
+};
+
 class A2a3Indexer : public testing::TestWithParam<std::vector<std::int32_t>> {};
 
 TEST_P(A2a3Indexer, FusedAndTwoScopeEqualReference) {
@@ -380,7 +398,8 @@ TEST_P(A2a3Indexer, FusedAndTwoScopeEqualReference) {
 INSTANTIATE_TEST_SUITE_P(CanonicalStarts, A2a3Indexer,
                          testing::Values(std::vector<std::int32_t>{8192, 0, 2, 3},
                                          std::vector<std::int32_t>{7, 127, 128, 255},
-                                         std::vector<std::int32_t>{511, 8702, 16382, 3}));
+                                         std::vector<std::int32_t>{511, 8702, 16382, 3}),
+                         ParamName());
 
 TEST(A2a3IndexerCost, FusedMovesFewerGmBytesAndIsPredictedFaster) {
   IndexerFixture f({8192, 0, 2, 3});
@@ -438,6 +457,10 @@ struct SparseCase {
   td::LayerKind kind;
   std::vector<std::int32_t> starts;
 };
+void PrintTo(const SparseCase& c, std::ostream* os) {
+  *os << td::to_string(c.kind);
+  for (auto v : c.starts) *os << "_" << v;
+}
 class A2a3SparseAttention : public testing::TestWithParam<SparseCase> {};
 
 TEST_P(A2a3SparseAttention, EqualsReference) {
@@ -459,7 +482,8 @@ TEST_P(A2a3SparseAttention, EqualsReference) {
 INSTANTIATE_TEST_SUITE_P(CanonicalStarts, A2a3SparseAttention,
                          testing::Values(SparseCase{td::LayerKind::csa, {8192, 0, 2, 3}},
                                          SparseCase{td::LayerKind::hca, {8192, 127, 128, 255}},
-                                         SparseCase{td::LayerKind::swa, {8192, 127, 31, 8192}}));
+                                         SparseCase{td::LayerKind::swa, {8192, 127, 31, 8192}}),
+                         ParamName());
 
 TEST(A2a3SparseAttentionCost, GatherIsIssueBoundAndWeightsDominateGm) {
   SparseFixture f(td::LayerKind::csa, {8192, 0, 2, 3});
@@ -680,6 +704,11 @@ struct CompressorCase {
   int which;  // 0 CSA main, 1 HCA, 2 inner (window start), 3 inner (request start)
   std::vector<std::int32_t> starts;
 };
+void PrintTo(const CompressorCase& c, std::ostream* os) {
+  constexpr const char* names[] = {"csa_main", "hca", "inner_window_start", "inner_request_start"};
+  *os << names[c.which];
+  for (auto v : c.starts) *os << "_" << v;
+}
 class A2a3Compressor : public testing::TestWithParam<CompressorCase> {};
 
 TEST_P(A2a3Compressor, EqualsGolden) {
@@ -731,7 +760,8 @@ INSTANTIATE_TEST_SUITE_P(
     CanonicalStarts, A2a3Compressor,
     testing::Values(CompressorCase{0, {8192, 0, 2, 3}}, CompressorCase{0, {7, 127, 128, 255}},
                     CompressorCase{1, {8192, 127, 128, 255}}, CompressorCase{2, {8192, 0, 2, 3}},
-                    CompressorCase{3, {8192, 0, 2, 3}}, CompressorCase{2, {7, 127, 511, 8702}}));
+                    CompressorCase{3, {8192, 0, 2, 3}}, CompressorCase{2, {7, 127, 511, 8702}}),
+    ParamName());
 
 TEST(A2a3IndexerWithInnerCompressor, EqualsGoldenComposition) {
   // §9.2 order: the inner compressor refreshes the index cache (RoPE at start_b, the CSA

@@ -24,17 +24,26 @@ std::atomic<long> g_allocs{0};
 void* counted_alloc(std::size_t n, std::size_t align) {
   if (g_counting.load(std::memory_order_relaxed)) g_allocs.fetch_add(1, std::memory_order_relaxed);
   if (n == 0) n = 1;
-  void* p = align > alignof(std::max_align_t) ? std::aligned_alloc(align, (n + align - 1) / align * align)
-                                              : std::malloc(n);
+  void* p = align > alignof(std::max_align_t)
+                ? std::aligned_alloc(align, (n + align - 1) / align * align)
+                : std::malloc(n);
   if (!p) throw std::bad_alloc();
   return p;
 }
 }  // namespace
 
-void* operator new(std::size_t n) { return counted_alloc(n, 0); }
-void* operator new[](std::size_t n) { return counted_alloc(n, 0); }
-void* operator new(std::size_t n, std::align_val_t a) { return counted_alloc(n, std::size_t(a)); }
-void* operator new[](std::size_t n, std::align_val_t a) { return counted_alloc(n, std::size_t(a)); }
+void* operator new(std::size_t n) {
+  return counted_alloc(n, 0);
+}
+void* operator new[](std::size_t n) {
+  return counted_alloc(n, 0);
+}
+void* operator new(std::size_t n, std::align_val_t a) {
+  return counted_alloc(n, std::size_t(a));
+}
+void* operator new[](std::size_t n, std::align_val_t a) {
+  return counted_alloc(n, std::size_t(a));
+}
 void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
   try {
     return counted_alloc(n, 0);
@@ -42,14 +51,30 @@ void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
     return nullptr;
   }
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
 
 namespace td = tiledecode;
 using td::index_t;
@@ -108,7 +133,8 @@ TEST(DecodeStep, NoHeapAllocationInsideAStep) {
   step();
   step();
   g_counting = false;
-  EXPECT_EQ(g_allocs.load(), 0) << "heap allocations inside two decode steps (metadata build + 3 layers each)";
+  EXPECT_EQ(g_allocs.load(), 0)
+      << "heap allocations inside two decode steps (metadata build + 3 layers each)";
   EXPECT_EQ(times.calls[int(td::decode::Kernel::hc_pre)], 9);
   EXPECT_EQ(times.calls[int(td::decode::Kernel::indexer_score)], 3);
   EXPECT_EQ(times.calls[int(td::decode::Kernel::compressor)], 6);
@@ -125,21 +151,25 @@ TEST(DecodeStep, RejectsBadArgumentsBeforeWriting) {
   td::Tensor<float, 3> x({2, 4, cfg.hidden}), y({2, 4, cfg.hidden});
   const auto w = L.weights.view();
   // Not built.
-  EXPECT_THROW(td::decode::hca_step(be, y.view(), x.view(), w, L.caches.view(), md, L.rope.view(), ws, cfg),
-               td::Error);
+  EXPECT_THROW(
+      td::decode::hca_step(be, y.view(), x.view(), w, L.caches.view(), md, L.rope.view(), ws, cfg),
+      td::Error);
   const std::int32_t start[1] = {100};
   md.build(start, {1, 2, 1}, fx.tables(), fx.pools, cfg);
   // Wrong family entry point.
-  EXPECT_THROW(td::decode::csa_step(be, y.view(), x.view(), w, L.caches.view(), md, L.rope.view(), ws, cfg),
-               td::Error);
+  EXPECT_THROW(
+      td::decode::csa_step(be, y.view(), x.view(), w, L.caches.view(), md, L.rope.view(), ws, cfg),
+      td::Error);
   // In-place x_out.
-  EXPECT_THROW(td::decode::hca_step(be, x.view(), x.view(), w, L.caches.view(), md, L.rope.view(), ws, cfg),
-               td::Error);
+  EXPECT_THROW(
+      td::decode::hca_step(be, x.view(), x.view(), w, L.caches.view(), md, L.rope.view(), ws, cfg),
+      td::Error);
   // The a2a3 seam.
   auto a2 = be;
   a2.kind = td::decode::BackendKind::a2a3;
-  EXPECT_THROW(td::decode::hca_step(a2, y.view(), x.view(), w, L.caches.view(), md, L.rope.view(), ws, cfg),
-               td::Error);
+  EXPECT_THROW(
+      td::decode::hca_step(a2, y.view(), x.view(), w, L.caches.view(), md, L.rope.view(), ws, cfg),
+      td::Error);
   // A pool smaller than the metadata's pool sizes.
   auto caches = L.caches.view();
   caches.kv_cache = caches.kv_cache.slice(0, 0, 128);
@@ -162,7 +192,8 @@ void run_consecutive_steps(std::vector<std::int32_t> starts, int steps) {
   td::paged::StepMetadata md(B, S, cfg);
   td::decode::Workspace ws(cfg, B, S, be.concurrency());
   const index_t T = B * S;
-  td::Tensor<float, 3> x_hc({T, 4, cfg.hidden}), x_out({T, 4, cfg.hidden}), x_gold({T, 4, cfg.hidden});
+  td::Tensor<float, 3> x_hc({T, 4, cfg.hidden}), x_out({T, 4, cfg.hidden}),
+      x_gold({T, 4, cfg.hidden});
   const td::paged::StepShape sh{B, S, 1};
   for (int step = 0; step < steps; ++step) {
     md.build(starts, sh, st.fx.tables(), st.fx.pools, cfg);
@@ -178,7 +209,8 @@ void run_consecutive_steps(std::vector<std::int32_t> starts, int steps) {
           << td::to_string(L.kind) << " x_out, step " << step << ", start[0] " << starts[0];
     }
     for (auto& s : starts) s += 1;
-    if (steps > 50 && (step + 1) % 25 == 0) std::fprintf(stderr, "  step %d/%d passed\n", step + 1, steps);
+    if (steps > 50 && (step + 1) % 25 == 0)
+      std::fprintf(stderr, "  step %d/%d passed\n", step + 1, steps);
   }
   for (std::size_t l = 0; l < st.layers.size(); ++l)
     tdtest::expect_caches_close(st.layers[l]->caches, st.gold[l],

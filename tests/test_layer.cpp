@@ -7,16 +7,16 @@
 #include <vector>
 
 #include "common/compare.hpp"
+#include "common/decode_fixture.hpp"
 #include "common/random.hpp"
+#include "tiledecode/decode/step.hpp"
+#include "tiledecode/golden/decode_layer.hpp"
 #include "tiledecode/golden/hyper_connection.hpp"
 #include "tiledecode/golden/qkv_projection.hpp"
 #include "tiledecode/golden/rmsnorm.hpp"
 #include "tiledecode/kernels/hyper_connection.hpp"
 #include "tiledecode/kernels/qkv_projection.hpp"
 #include "tiledecode/kernels/rmsnorm.hpp"
-#include "tiledecode/decode/step.hpp"
-#include "tiledecode/golden/decode_layer.hpp"
-#include "common/decode_fixture.hpp"
 
 namespace td = tiledecode;
 using td::bf16;
@@ -88,7 +88,7 @@ TEST(HyperConnection, SinkhornCombIsDoublyStochastic) {
   const index_t T = f.T, D = f.cfg.hidden;
   td::Tensor<bf16, 2> xm({T, D});
   td::Tensor<float, 2> post({T, 4});
-    td::Tensor<double, 2> mixes({T, td::kHcMixes});
+  td::Tensor<double, 2> mixes({T, td::kHcMixes});
   td::Tensor<float, 3> comb({T, 4, 4});
   td::kernels::hc_pre(td::cpu::Context{}, xm.view(), post.view(), comb.view(), f.x_hc.view(),
                       f.weights(), mixes.view(), f.cfg);
@@ -142,8 +142,8 @@ TEST(HyperConnection, RejectsBadShapesBeforeWriting) {
                                    f.x_hc.view(), f.weights(), mixes.view(), f.cfg),
                td::Error);
   td::Tensor<float, 3> y({f.T, 4, f.cfg.hidden});
-  EXPECT_THROW(td::kernels::hc_post(td::cpu::Context{}, y.view(), xm.view(), y.view(),
-                                    post.view(), comb.view(), f.cfg),
+  EXPECT_THROW(td::kernels::hc_post(td::cpu::Context{}, y.view(), xm.view(), y.view(), post.view(),
+                                    comb.view(), f.cfg),
                td::Error);
 }
 
@@ -200,8 +200,8 @@ struct QkvFixture {
     for (index_t i = 0; i < T; ++i) pos.data()[i] = starts[(i / 2) % 4] + std::int32_t(i % 2);
   }
   td::QkvWeights weights() const {
-    return {wq_a.view(), gamma_cq.view(), wq_b.view(), wq_b_scale.view(), wkv.view(),
-            gamma_ckv.view()};
+    return {wq_a.view(),       gamma_cq.view(), wq_b.view(),
+            wq_b_scale.view(), wkv.view(),      gamma_ckv.view()};
   }
 };
 
@@ -299,7 +299,8 @@ void check_layer(td::LayerKind kind, std::array<std::int32_t, 4> starts, int com
   md.build(starts, sh, fx.tables(), fx.pools, cfg);
   td::decode::Workspace ws(cfg, B, S, be.concurrency());
   const index_t T = B * S;
-  td::Tensor<float, 3> x_hc({T, 4, cfg.hidden}), x_out({T, 4, cfg.hidden}), x_gold({T, 4, cfg.hidden});
+  td::Tensor<float, 3> x_hc({T, 4, cfg.hidden}), x_out({T, 4, cfg.hidden}),
+      x_gold({T, 4, cfg.hidden});
   td::decode::synthetic::fill_x_hc(be.cpu_ctx, x_hc.view(), 99, 0);
 
   const auto w = L.weights.view();
@@ -311,14 +312,16 @@ void check_layer(td::LayerKind kind, std::array<std::int32_t, 4> starts, int com
   // Intermediates first (they explain an x_out failure).
   auto v = ws.views(B, S);
   EXPECT_TRUE(tdtest::ratio_allclose(tdtest::to_float_vec(td::ConstView<bf16, 3>(v.q)),
-                                     floats(tr.q), 1e-4, 1.0 / 128, 0.0)) << "q";
+                                     floats(tr.q), 1e-4, 1.0 / 128, 0.0))
+      << "q";
   if (kind == td::LayerKind::csa) {
     for (index_t t = 0; t < T; ++t) {
       const auto score_row = [&](std::int32_t j) { return v.score(t, j); };
       EXPECT_TRUE(tdtest::topk_pair_compare(
           std::span<const std::int32_t>(&v.topk_idxs(t, 0), std::size_t(cfg.idx_topk)),
           std::span<const std::int32_t>(&tr.topk_idxs.view()(t, 0), std::size_t(cfg.idx_topk)),
-          score_row)) << "topk_idxs row " << t;
+          score_row))
+          << "topk_idxs row " << t;
     }
   }
   // attn_out: a diagnostic bound only. The front-end above is bit-exact, but the attention's
@@ -327,7 +330,8 @@ void check_layer(td::LayerKind kind, std::array<std::int32_t, 4> starts, int com
   // channels (measured 0.6–3 % of points beyond (1e-4, 1/128)); the spec's layer criterion is
   // the x_out rule below.
   EXPECT_TRUE(tdtest::ratio_allclose(tdtest::to_float_vec(td::ConstView<bf16, 2>(v.attn_out)),
-                                     floats(tr.attn_out), 1e-3, 1.0 / 64, 0.05)) << "attn_out";
+                                     floats(tr.attn_out), 1e-3, 1.0 / 64, 0.05))
+      << "attn_out";
   EXPECT_TRUE(tdtest::x_out_close(x_out.view(), x_gold.view(), kind)) << "x_out";
   tdtest::expect_caches_close(L.caches, gold, std::string(td::to_string(kind)).c_str());
 }

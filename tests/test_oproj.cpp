@@ -69,8 +69,8 @@ td::Tensor<bf16, 2> run_kernel(const Weights& w, const td::Tensor<bf16, 2>& o, i
   td::Tensor<bf16, 2> out({T, w.cfg.hidden});
   std::vector<std::byte> ws(td::kernels::output_projection_workspace_bytes(w.cfg, T));
   td::kernels::output_projection(td::cpu::Context{exec, td::cpu::checked_isa(isa)}, w.cfg,
-                                 out.view(), o.view(), w.wo_a.view(), w.wo_b.view(),
-                                 w.scale.view(), ws);
+                                 out.view(), o.view(), w.wo_a.view(), w.wo_b.view(), w.scale.view(),
+                                 ws);
   return out;
 }
 
@@ -95,8 +95,8 @@ TEST(Oproj, FlashT8MatchesGolden) {
   const auto o = random_o(w.cfg, 8, 2);
   const auto g = run_golden(w, o, 8);
   for (auto isa : isas()) {
-    EXPECT_TRUE(tdtest::ratio_allclose(floats(run_kernel(w, o, 8, isa)), floats(g), 1e-4,
-                                       1.0 / 128, 0.005))
+    EXPECT_TRUE(
+        tdtest::ratio_allclose(floats(run_kernel(w, o, 8, isa)), floats(g), 1e-4, 1.0 / 128, 0.005))
         << td::cpu::to_string(isa);
   }
 }
@@ -118,8 +118,8 @@ TEST(Oproj, OddTokenCountsAndThreadsBitIdentical) {
   const auto o = random_o(w.cfg, 3, 6);
   const auto g = run_golden(w, o, 3);
   for (auto isa : isas())
-    EXPECT_TRUE(tdtest::ratio_allclose(floats(run_kernel(w, o, 3, isa)), floats(g), 1e-4,
-                                       1.0 / 128, 0.005));
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(run_kernel(w, o, 3, isa)), floats(g), 1e-4, 1.0 / 128,
+                                       0.005));
 }
 
 // Exact integer path: o_packed chosen so o_r is exactly representable and Q8 is exact, then
@@ -145,7 +145,8 @@ TEST(Oproj, IntegerStageIsExact) {
         std::int64_t acc = 0;
         for (index_t g = 0; g < cfg.o_groups; ++g)
           for (index_t r = 0; r < cfg.o_lora; ++r)
-            acc += std::int64_t(o.view()(g * T + t, r).to_float()) * w.wo_b.view()(n, g * cfg.o_lora + r);
+            acc += std::int64_t(o.view()(g * T + t, r).to_float()) *
+                   w.wo_b.view()(n, g * cfg.o_lora + r);
         ASSERT_EQ(out.view()(t, n).bits, bf16(float(double(acc) / 1024.0)).bits)
             << "t=" << t << " n=" << n << " " << td::cpu::to_string(isa);
       }
@@ -157,8 +158,8 @@ TEST(Oproj, ProPresetT1) {
   const auto o = random_o(w.cfg, 1, 7);
   const auto g = run_golden(w, o, 1);
   for (auto isa : isas())
-    EXPECT_TRUE(tdtest::ratio_allclose(floats(run_kernel(w, o, 1, isa)), floats(g), 1e-4,
-                                       1.0 / 128, 0.005))
+    EXPECT_TRUE(
+        tdtest::ratio_allclose(floats(run_kernel(w, o, 1, isa)), floats(g), 1e-4, 1.0 / 128, 0.005))
         << td::cpu::to_string(isa);
 }
 

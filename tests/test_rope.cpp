@@ -19,7 +19,9 @@ namespace {
 const td::ModelConfig kFlash = td::flash_config();
 
 // Half a BF16 ulp at |x| (8 significant bits).
-double half_ulp_bf16(double x) { return x == 0 ? 0 : std::ldexp(1.0, std::ilogb(x) - 8); }
+double half_ulp_bf16(double x) {
+  return x == 0 ? 0 : std::ldexp(1.0, std::ilogb(x) - 8);
+}
 
 TEST(RopeYarn, CorrectionRangeComesOutOfTheFormula) {
   // low = floor(64 ln(65536/(32·2π)) / (2 ln 160000)) = floor(15.45) = 15,
@@ -88,10 +90,8 @@ void check_table_rows(LayerKind kind) {
       const double es = td::golden::rope_sin(kFlash, kind, pos, col);
       const double tol_angle = 3.5e-7 * angle + 1e-7;
       const float c = v.cos_row(pos)[col].to_float(), s = v.sin_row(pos)[col].to_float();
-      EXPECT_NEAR(c, ec, half_ulp_bf16(ec) + tol_angle)
-          << "cos pos " << pos << " col " << col;
-      EXPECT_NEAR(s, es, half_ulp_bf16(es) + tol_angle)
-          << "sin pos " << pos << " col " << col;
+      EXPECT_NEAR(c, ec, half_ulp_bf16(ec) + tol_angle) << "cos pos " << pos << " col " << col;
+      EXPECT_NEAR(s, es, half_ulp_bf16(es) + tol_angle) << "sin pos " << pos << " col " << col;
       // Columns 32..63 duplicate 0..31 bit for bit.
       if (col >= 32) {
         EXPECT_EQ(v.cos_row(pos)[col], v.cos_row(pos)[col - 32]);
@@ -106,8 +106,12 @@ void check_table_rows(LayerKind kind) {
   }
 }
 
-TEST(RopeTable, SwaProfileMatchesDoublePrecision) { check_table_rows(LayerKind::swa); }
-TEST(RopeTable, YarnProfileMatchesDoublePrecision) { check_table_rows(LayerKind::csa); }
+TEST(RopeTable, SwaProfileMatchesDoublePrecision) {
+  check_table_rows(LayerKind::swa);
+}
+TEST(RopeTable, YarnProfileMatchesDoublePrecision) {
+  check_table_rows(LayerKind::csa);
+}
 
 TEST(RopeTable, Position1IsBf16OfTheExactValue) {
   // At position 1 the FP32 angle is inv_freq itself: the entries are the BF16 neighbours of

@@ -125,7 +125,8 @@ std::vector<float> floats(const td::Tensor<bf16, 2>& t) {
 }
 
 // o_packed check (see the header comment).
-testing::AssertionResult packed_close(const td::Tensor<bf16, 2>& act, const td::Tensor<bf16, 2>& exp) {
+testing::AssertionResult packed_close(const td::Tensor<bf16, 2>& act,
+                                      const td::Tensor<bf16, 2>& exp) {
   const auto a = floats(act), e = floats(exp);
   auto r = tdtest::ratio_allclose(a, e, 1e-5, 1.0 / 128, 0.001);
   if (!r) return r;
@@ -157,7 +158,8 @@ struct OprojWeights {
     rng.fill_int8(std::span<std::int8_t>(wo_b.data(), wo_b.size()));
     // Per-channel scales sized so |attn_out| is ~0.03 on average (a residual-stream update).
     scale = td::Tensor<float, 1>({cfg.hidden});
-    for (index_t n = 0; n < cfg.hidden; ++n) scale.view()(n) = 2e-5f * (1.0f + 0.5f * rng.uniform());
+    for (index_t n = 0; n < cfg.hidden; ++n)
+      scale.view()(n) = 2e-5f * (1.0f + 0.5f * rng.uniform());
   }
 };
 
@@ -289,7 +291,7 @@ TEST(SparseAttn, CsaEntirelyInvalidBlocksAreSkipped) {
   Problem p(td::flash_config(), LayerKind::csa, {8192, 1000, 4000, 3}, 2, 0.0f, 8);
   for (index_t t = 0; t < p.T; ++t)
     for (int i = 128; i < 384; ++i) p.topk.view()(t, i) = -1;  // blocks 2 and 3 empty
-  p.win_lens.view()(2) = 0;                                     // token 2: window block empty
+  p.win_lens.view()(2) = 0;                                    // token 2: window block empty
   expect_all_isas_match(p);
 }
 
@@ -325,7 +327,8 @@ TEST(SparseAttn, ExtremeLogitsStayFinite) {
   for (index_t k = 0; k < 128; ++k) {
     const index_t r = p.win_idx.view()(2, k);
     if (r < 0) continue;
-    for (index_t d = 0; d < 512; ++d) p.kv.view()(r, d) = bf16(-50.0f * p.q.view()(2, 0, d).to_float());
+    for (index_t d = 0; d < 512; ++d)
+      p.kv.view()(r, d) = bf16(-50.0f * p.q.view()(2, 0, d).to_float());
   }
   const auto g = p.golden();
   for (auto isa : isas()) {
@@ -368,11 +371,11 @@ TEST(SparseAttn, RejectsBadArgumentsBeforeWriting) {
     td::Tensor<bf16, 2> o({index_t(p.cfg.o_groups) * p.T, p.cfg.o_group_in()});
     for (std::size_t i = 0; i < o.size(); ++i) o.data()[i] = bf16(7.0f);
     std::vector<std::byte> ws(td::kernels::sparse_attention_workspace_bytes(p.cfg, 1));
-    EXPECT_THROW(td::kernels::sparse_attention(
-                     td::cpu::Context{}, p.cfg, p.kind, o.view(), p.q.view(), p.kv.view(),
-                     p.cmp.view(), p.win_idx.view(), p.win_lens.view(), p.topk.view(),
-                     p.cmp_table.view(), p.pos.view(), p.lens.view(), p.S, p.sink.view(),
-                     rope_table(p.cfg, p.kind).view(), ws),
+    EXPECT_THROW(td::kernels::sparse_attention(td::cpu::Context{}, p.cfg, p.kind, o.view(),
+                                               p.q.view(), p.kv.view(), p.cmp.view(),
+                                               p.win_idx.view(), p.win_lens.view(), p.topk.view(),
+                                               p.cmp_table.view(), p.pos.view(), p.lens.view(), p.S,
+                                               p.sink.view(), rope_table(p.cfg, p.kind).view(), ws),
                  td::Error)
         << what;
     for (std::size_t i = 0; i < o.size(); ++i) ASSERT_EQ(o.data()[i].to_float(), 7.0f) << what;
@@ -412,11 +415,11 @@ TEST(SparseAttn, RejectsBadArgumentsBeforeWriting) {
     Problem p = base;
     td::Tensor<bf16, 2> o({index_t(p.cfg.o_groups) * p.T, p.cfg.o_group_in()});
     std::vector<std::byte> ws(1000);
-    EXPECT_THROW(td::kernels::sparse_attention(
-                     td::cpu::Context{}, p.cfg, p.kind, o.view(), p.q.view(), p.kv.view(),
-                     p.cmp.view(), p.win_idx.view(), p.win_lens.view(), p.topk.view(),
-                     p.cmp_table.view(), p.pos.view(), p.lens.view(), p.S, p.sink.view(),
-                     rope_table(p.cfg, p.kind).view(), ws),
+    EXPECT_THROW(td::kernels::sparse_attention(td::cpu::Context{}, p.cfg, p.kind, o.view(),
+                                               p.q.view(), p.kv.view(), p.cmp.view(),
+                                               p.win_idx.view(), p.win_lens.view(), p.topk.view(),
+                                               p.cmp_table.view(), p.pos.view(), p.lens.view(), p.S,
+                                               p.sink.view(), rope_table(p.cfg, p.kind).view(), ws),
                  td::Error);
   }
 }

@@ -26,7 +26,10 @@ struct LayerSetup {
   LayerSetup(const tiledecode::ModelConfig& c, tiledecode::LayerKind k,
              const tiledecode::paged::PoolSizes& pools, int layer, std::uint64_t seed,
              const tiledecode::cpu::Context& ctx)
-      : cfg(c), kind(k), weights(c, k), caches(c, k, pools),
+      : cfg(c),
+        kind(k),
+        weights(c, k),
+        caches(c, k, pools),
         rope(tiledecode::make_rope_table(c, k, c.max_seq_len)) {
     tiledecode::decode::synthetic::fill_weights(ctx, weights, cfg, layer, seed);
     weights.pack(cfg);
@@ -57,8 +60,8 @@ inline testing::AssertionResult x_out_close(tiledecode::ConstView<float, 3> a,
                                             tiledecode::ConstView<float, 3> e,
                                             tiledecode::LayerKind k) {
   return ratio_reldiff(std::span<const float>(a.data(), std::size_t(a.size())),
-                       std::span<const float>(e.data(), std::size_t(e.size())),
-                       x_out_threshold(k), 0.008, 1.0);
+                       std::span<const float>(e.data(), std::size_t(e.size())), x_out_threshold(k),
+                       0.008, 1.0);
 }
 
 // Every pool of a layer against the golden layer's pools: BF16 KV caches and compressed rows
@@ -71,11 +74,11 @@ inline void expect_caches_close(tiledecode::decode::LayerCacheStorage& a,
     const auto fa = to_float_vec(va), fe = to_float_vec(ve);
     EXPECT_TRUE(ratio_allclose(fa, fe, atol, rtol, ratio)) << what << ": " << name;
   };
-  cmp(ConstView<tiledecode::bf16, 2>(a.kv_cache.view()), ConstView<tiledecode::bf16, 2>(e.kv_cache.view()),
-      1e-4, 1.0 / 128, 0.005, "kv_cache");
+  cmp(ConstView<tiledecode::bf16, 2>(a.kv_cache.view()),
+      ConstView<tiledecode::bf16, 2>(e.kv_cache.view()), 1e-4, 1.0 / 128, 0.005, "kv_cache");
   if (a.kind == tiledecode::LayerKind::swa) return;
-  cmp(ConstView<tiledecode::bf16, 2>(a.cmp_kv.view()), ConstView<tiledecode::bf16, 2>(e.cmp_kv.view()),
-      1e-4, 1.0 / 128, 0.0, "cmp_kv");
+  cmp(ConstView<tiledecode::bf16, 2>(a.cmp_kv.view()),
+      ConstView<tiledecode::bf16, 2>(e.cmp_kv.view()), 1e-4, 1.0 / 128, 0.0, "cmp_kv");
   cmp(ConstView<float, 2>(a.state.view()), ConstView<float, 2>(e.state.view()), 1e-3, 1e-3, 0.0,
       "compressor state");
   if (a.kind != tiledecode::LayerKind::csa) return;

@@ -21,7 +21,9 @@ namespace tiledecode::decode {
 
 enum class BackendKind { cpu, a2a3 };
 
-constexpr std::string_view to_string(BackendKind k) { return k == BackendKind::cpu ? "cpu" : "a2a3"; }
+constexpr std::string_view to_string(BackendKind k) {
+  return k == BackendKind::cpu ? "cpu" : "a2a3";
+}
 
 struct Backend {
   BackendKind kind = BackendKind::cpu;

@@ -29,10 +29,10 @@ namespace tiledecode::decode {
 
 // Lightning-indexer weights of a CSA layer (spec §2, §6.4, §7.1).
 struct IndexerWeights {
-  ConstView<std::int8_t, 2> wq_b;       // idx_wq_b (Q_LORA, 64*128) INT8
-  ConstView<float, 1> wq_b_scale;       // (64*128) per output column
-  ConstView<bf16, 2> weights_proj;      // (D, 64)
-  ConstView<bf16, 2> hadamard;          // (128, 128) rotation (Sylvester H / sqrt(128))
+  ConstView<std::int8_t, 2> wq_b;         // idx_wq_b (Q_LORA, 64*128) INT8
+  ConstView<float, 1> wq_b_scale;         // (64*128) per output column
+  ConstView<bf16, 2> weights_proj;        // (D, 64)
+  ConstView<bf16, 2> hadamard;            // (128, 128) rotation (Sylvester H / sqrt(128))
   kernels::CompressorWeights compressor;  // inner compressor: wkv/wgate (256, D), ape (4, 256),
                                           // norm_w (128)
   // wq_b, wq_b_scale and hadamard packed for kernels::indexer_query, made once at load time by
@@ -55,15 +55,15 @@ struct LayerOptions {
 
 struct LayerWeights {
   LayerKind kind = LayerKind::swa;
-  HcWeights hc;                          // hc_fn (24, 4D), hc_scale (3), hc_base (24) FP32
-  ConstView<bf16, 1> attn_norm;          // (D) attention RMSNorm weight
-  QkvWeights qkv;                        // wq_a, gamma_cq, wq_b(+scale), wkv, gamma_ckv
-  ConstView<float, 1> attn_sink;         // (H)
-  ConstView<bf16, 3> wo_a;               // (O_GROUPS, O_LORA, O_GROUP_IN)
-  ConstView<std::int8_t, 2> wo_b;        // (D, O_GROUPS*O_LORA)
-  ConstView<float, 1> wo_b_scale;        // (D)
-  kernels::CompressorWeights compressor; // CSA main / HCA compressor
-  IndexerWeights indexer;                // CSA only
+  HcWeights hc;                           // hc_fn (24, 4D), hc_scale (3), hc_base (24) FP32
+  ConstView<bf16, 1> attn_norm;           // (D) attention RMSNorm weight
+  QkvWeights qkv;                         // wq_a, gamma_cq, wq_b(+scale), wkv, gamma_ckv
+  ConstView<float, 1> attn_sink;          // (H)
+  ConstView<bf16, 3> wo_a;                // (O_GROUPS, O_LORA, O_GROUP_IN)
+  ConstView<std::int8_t, 2> wo_b;         // (D, O_GROUPS*O_LORA)
+  ConstView<float, 1> wo_b_scale;         // (D)
+  kernels::CompressorWeights compressor;  // CSA main / HCA compressor
+  IndexerWeights indexer;                 // CSA only
 };
 
 struct LayerCaches {
@@ -117,8 +117,8 @@ struct LayerWeightsStorage {
     wo_b = Tensor<std::int8_t, 2>({D, index_t(cfg.o_groups) * cfg.o_lora});
     wo_b_scale = Tensor<float, 1>({D});
     if (k == LayerKind::swa) return;
-    const auto spec = k == LayerKind::csa ? kernels::csa_compressor_spec(cfg)
-                                          : kernels::hca_compressor_spec(cfg);
+    const auto spec =
+        k == LayerKind::csa ? kernels::csa_compressor_spec(cfg) : kernels::hca_compressor_spec(cfg);
     cmp_wkv = Tensor<bf16, 2>({spec.out_dim(), D});
     cmp_wgate = Tensor<bf16, 2>({spec.out_dim(), D});
     cmp_ape = Tensor<float, 2>({spec.ratio, spec.out_dim()});
@@ -141,14 +141,17 @@ struct LayerWeightsStorage {
     w.kind = kind;
     w.hc = {hc_fn.view(), hc_scale.view(), hc_base.view()};
     w.attn_norm = attn_norm.view();
-    w.qkv = {wq_a.view(), gamma_cq.view(), wq_b.view(), wq_b_scale.view(), wkv.view(),
-             gamma_ckv.view()};
+    w.qkv = {wq_a.view(),       gamma_cq.view(), wq_b.view(),
+             wq_b_scale.view(), wkv.view(),      gamma_ckv.view()};
     w.attn_sink = attn_sink.view();
     w.wo_a = wo_a.view();
     w.wo_b = wo_b.view();
     w.wo_b_scale = wo_b_scale.view();
     w.compressor = {cmp_wkv.view(), cmp_wgate.view(), cmp_ape.view(), cmp_norm_w.view()};
-    w.indexer = {idx_wq_b.view(), idx_wq_b_scale.view(), weights_proj.view(), hadamard.view(),
+    w.indexer = {idx_wq_b.view(),
+                 idx_wq_b_scale.view(),
+                 weights_proj.view(),
+                 hadamard.view(),
                  {inner_wkv.view(), inner_wgate.view(), inner_ape.view(), inner_norm_w.view()},
                  kind == LayerKind::csa && idx_packed.q_lora > 0 ? &idx_packed : nullptr};
     return w;
@@ -182,18 +185,17 @@ struct LayerCacheStorage {
   Tensor<float, 1> idx_kv_scale;
 
   LayerCacheStorage() = default;
-  LayerCacheStorage(const ModelConfig& cfg, LayerKind k, const paged::PoolSizes& pools)
-      : kind(k) {
+  LayerCacheStorage(const ModelConfig& cfg, LayerKind k, const paged::PoolSizes& pools) : kind(k) {
     kv_cache = Tensor<bf16, 2>({pools.ori * cfg.page, cfg.head_dim});
     if (k == LayerKind::swa) return;
     cmp_kv = Tensor<bf16, 2>({pools.cmp * cfg.page, cfg.head_dim});
     if (k == LayerKind::hca) {
-      state = Tensor<float, 2>({pools.hca_state * cfg.c128_state_page,
-                                kernels::hca_compressor_spec(cfg).state_width()});
+      state = Tensor<float, 2>(
+          {pools.hca_state * cfg.c128_state_page, kernels::hca_compressor_spec(cfg).state_width()});
       return;
     }
-    state = Tensor<float, 2>({pools.csa_state * cfg.c4_state_page,
-                              kernels::csa_compressor_spec(cfg).state_width()});
+    state = Tensor<float, 2>(
+        {pools.csa_state * cfg.c4_state_page, kernels::csa_compressor_spec(cfg).state_width()});
     inner_state = Tensor<float, 2>({pools.csa_inner_state * cfg.c4_state_page,
                                     kernels::indexer_compressor_spec(cfg).state_width()});
     idx_kv_cache = Tensor<std::int8_t, 2>({pools.idx * cfg.page, cfg.idx_head_dim});

@@ -6,7 +6,8 @@
 //   decode::Workspace ws(cfg, max_batch, 2, be.concurrency());   // once
 //   per step:  auto be = decode::Backend::cpu(&pool);             // backend chosen once
 //              md.build(starts, {B, 2, 1}, tables, pools, cfg);   // metadata built once
-//              for each layer l: decode::layer_step(be, x_out, x_hc, W[l], C[l], md, rope(l), ws, cfg);
+//              for each layer l: decode::layer_step(be, x_out, x_hc, W[l], C[l], md, rope(l), ws,
+//              cfg);
 //
 // Inside one layer (every primitive validates its own arguments before its first write):
 //   hc_pre → rmsnorm → qkv_projection (q, kv, qr, qr_scale) → write kv to kv_cache[ori_slot]
@@ -70,9 +71,9 @@ inline constexpr int kNumKernels = static_cast<int>(Kernel::count);
 
 constexpr std::string_view to_string(Kernel k) {
   constexpr std::string_view names[kNumKernels] = {
-      "hc_pre",        "rmsnorm",       "qkv_proj_rope", "kv_cache_write",
-      "compressor",    "idx_compressor", "indexer_query", "indexer_score",
-      "indexer_topk",  "sparse_attn",   "o_proj",        "hc_post"};
+      "hc_pre",       "rmsnorm",        "qkv_proj_rope", "kv_cache_write",
+      "compressor",   "idx_compressor", "indexer_query", "indexer_score",
+      "indexer_topk", "sparse_attn",    "o_proj",        "hc_post"};
   return names[static_cast<int>(k)];
 }
 
@@ -100,7 +101,8 @@ class KernelTimer {
   }
   ~KernelTimer() {
     if (!t_) return;
-    t_->seconds[k_] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    t_->seconds[k_] +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
     ++t_->calls[k_];
   }
   KernelTimer(const KernelTimer&) = delete;
@@ -115,8 +117,8 @@ class KernelTimer {
 template <class V>
 inline void require(std::string_view where, std::string_view arg, const V& v, LayerKind kind) {
   if (v.data() == nullptr || v.size() == 0) {
-    throw_arg(where, arg, "an empty view", std::string("a view (required by ") +
-                                                std::string(to_string(kind)) + " layers)");
+    throw_arg(where, arg, "an empty view",
+              std::string("a view (required by ") + std::string(to_string(kind)) + " layers)");
   }
 }
 
@@ -144,13 +146,15 @@ inline void validate_layer(std::string_view where, const Backend& be, View<float
   const auto& pools = md.pools();
   const LayerKind k = w.kind;
   require(where, "caches.kv_cache", c.kv_cache, k);
-  check_at_least<index_t>(where, "caches.kv_cache.extent(0)", c.kv_cache.extent(0), pools.ori * cfg.page);
+  check_at_least<index_t>(where, "caches.kv_cache.extent(0)", c.kv_cache.extent(0),
+                          pools.ori * cfg.page);
   require(where, "weights.attn_sink", w.attn_sink, k);
   if (k == LayerKind::swa) return;
   require(where, "caches.cmp_kv", c.cmp_kv, k);
   require(where, "caches.state", c.state, k);
   require(where, "weights.compressor.wkv", w.compressor.wkv, k);
-  check_at_least<index_t>(where, "caches.cmp_kv.extent(0)", c.cmp_kv.extent(0), pools.cmp * cfg.page);
+  check_at_least<index_t>(where, "caches.cmp_kv.extent(0)", c.cmp_kv.extent(0),
+                          pools.cmp * cfg.page);
   if (k == LayerKind::hca) {
     check_at_least<index_t>(where, "caches.state.extent(0)", c.state.extent(0),
                             pools.hca_state * cfg.c128_state_page);
@@ -233,10 +237,11 @@ inline void layer_step(const Backend& be, View<float, 3> x_out, ConstView<float,
                                              md.csa_idx_slot_mapping(),
                                              md.tables().csa_inner_state_table};
       std::fill_n(v.idx_kv_out.data(), v.idx_kv_out.size(), 0.0f);
-      kernels::indexer_compressor_step(
-          ctx, cfg, c.inner_state, c.idx_kv_cache, c.idx_kv_scale, v.idx_kv_out, v.x_n,
-          w.indexer.compressor, w.indexer.hadamard, meta, rope, v.compressor_ws,
-          ref ? kernels::InnerRopePosition::request_start : kernels::InnerRopePosition::window_start);
+      kernels::indexer_compressor_step(ctx, cfg, c.inner_state, c.idx_kv_cache, c.idx_kv_scale,
+                                       v.idx_kv_out, v.x_n, w.indexer.compressor,
+                                       w.indexer.hadamard, meta, rope, v.compressor_ws,
+                                       ref ? kernels::InnerRopePosition::request_start
+                                           : kernels::InnerRopePosition::window_start);
     }
     {
       KernelTimer tm(times, Kernel::indexer_query);
@@ -257,8 +262,8 @@ inline void layer_step(const Backend& be, View<float, 3> x_out, ConstView<float,
     }
     {
       KernelTimer tm(times, Kernel::indexer_topk);
-      kernels::indexer_topk(ctx, cfg, v.topk_idxs, v.score, pos, md.kv_seq_lens(), S,
-                            cfg.idx_topk, 0);
+      kernels::indexer_topk(ctx, cfg, v.topk_idxs, v.score, pos, md.kv_seq_lens(), S, cfg.idx_topk,
+                            0);
     }
     topk = v.topk_idxs;
   }

@@ -87,7 +87,8 @@ inline void fill_int8(const cpu::Context& ctx, std::span<std::int8_t> v, std::ui
   });
 }
 
-inline void fill_scale(const cpu::Context& ctx, std::span<float> v, std::uint64_t key, float center) {
+inline void fill_scale(const cpu::Context& ctx, std::span<float> v, std::uint64_t key,
+                       float center) {
   fill(ctx, v, [&](std::uint64_t i) { return center * (0.75f + 0.5f * uniform01(key, i)); });
 }
 
@@ -108,10 +109,33 @@ void fill_rms_rows(const cpu::Context& ctx, View<T, 2> rows, std::uint64_t key) 
 }
 
 enum TensorId : int {
-  kHcFn = 1, kAttnNorm, kWqA, kGammaCq, kWqB, kWqBScale, kWkv, kGammaCkv, kWoA, kWoB, kWoBScale,
-  kCmpWkv, kCmpWgate, kCmpApe, kCmpNorm, kIdxWqB, kIdxWqBScale, kWeightsProj, kInnerWkv,
-  kInnerWgate, kInnerApe, kInnerNorm,
-  kKvCache = 64, kCmpKv, kState, kIdxCache, kInnerState,
+  kHcFn = 1,
+  kAttnNorm,
+  kWqA,
+  kGammaCq,
+  kWqB,
+  kWqBScale,
+  kWkv,
+  kGammaCkv,
+  kWoA,
+  kWoB,
+  kWoBScale,
+  kCmpWkv,
+  kCmpWgate,
+  kCmpApe,
+  kCmpNorm,
+  kIdxWqB,
+  kIdxWqBScale,
+  kWeightsProj,
+  kInnerWkv,
+  kInnerWgate,
+  kInnerApe,
+  kInnerNorm,
+  kKvCache = 64,
+  kCmpKv,
+  kState,
+  kIdxCache,
+  kInnerState,
 };
 
 // Fills every weight of `w` (already shaped for its kind) for layer `layer`.
@@ -129,7 +153,8 @@ inline void fill_weights(const cpu::Context& ctx, LayerWeightsStorage& w, const 
   fill_normal(ctx, w.wq_a.flat(), key(kWqA), 0.0f, 0.02f);
   fill_normal(ctx, w.gamma_cq.flat(), key(kGammaCq), 1.0f, 0.1f);
   fill_int8(ctx, w.wq_b.flat(), key(kWqB));
-  fill_scale(ctx, w.wq_b_scale.flat(), key(kWqBScale), 1.0f / (127.0f * std::sqrt(float(cfg.q_lora))));
+  fill_scale(ctx, w.wq_b_scale.flat(), key(kWqBScale),
+             1.0f / (127.0f * std::sqrt(float(cfg.q_lora))));
   fill_normal(ctx, w.wkv.flat(), key(kWkv), 0.0f, 0.02f);
   fill_normal(ctx, w.gamma_ckv.flat(), key(kGammaCkv), 1.0f, 0.1f);
   for (auto& s : w.attn_sink.flat()) s = w.kind == LayerKind::csa ? 4.0f : 0.0f;

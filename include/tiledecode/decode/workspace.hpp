@@ -39,26 +39,26 @@ struct StepViews {
   View<double, 2> hc_mixes;  // (T, 24) scratch
   View<bf16, 2> x_n;         // (T, D)
   // qkv_proj_rope
-  View<bf16, 3> q;           // (T, H, 512)
-  View<bf16, 2> kv;          // (T, 512)
-  View<std::int8_t, 2> qr;   // (T, Q_LORA)
-  View<float, 1> qr_scale;   // (T)
+  View<bf16, 3> q;          // (T, H, 512)
+  View<bf16, 2> kv;         // (T, 512)
+  View<std::int8_t, 2> qr;  // (T, Q_LORA)
+  View<float, 1> qr_scale;  // (T)
   QkvScratch qkv_scratch;
   // compressors (shared FP32 workspace; the main and inner compressors run one after another)
   View<float, 1> compressor_ws;
-  View<float, 2> cmp_kv_out;    // (B, 512) FP32 emitted main row (diagnostic, zeroed per step)
-  View<float, 2> idx_kv_out;    // (B, 128) FP32 emitted inner row before Hadamard (diagnostic)
+  View<float, 2> cmp_kv_out;  // (B, 512) FP32 emitted main row (diagnostic, zeroed per step)
+  View<float, 2> idx_kv_out;  // (B, 128) FP32 emitted inner row before Hadamard (diagnostic)
   // indexer
-  View<std::int8_t, 3> idx_q_i8;   // (T, 64, 128)
-  View<float, 2> idx_q_scale;      // (T, 64)
-  View<float, 2> idx_weights;      // (T, 64)
+  View<std::int8_t, 3> idx_q_i8;       // (T, 64, 128)
+  View<float, 2> idx_q_scale;          // (T, 64)
+  View<float, 2> idx_weights;          // (T, 64)
   View<std::int32_t, 1> idx_rope_pos;  // (T) rotation position of the indexer query
-  View<float, 2> score;            // (T, 4096)
-  View<std::int32_t, 2> topk_idxs; // (T, 4096): first idx_topk meaningful, rest -1
+  View<float, 2> score;                // (T, 4096)
+  View<std::int32_t, 2> topk_idxs;     // (T, 4096): first idx_topk meaningful, rest -1
   // sparse attention + output projection
-  View<bf16, 2> o_packed;          // (O_GROUPS*T, O_GROUP_IN)
+  View<bf16, 2> o_packed;  // (O_GROUPS*T, O_GROUP_IN)
   std::span<std::byte> attn_ws;
-  View<bf16, 2> attn_out;          // (T, D)
+  View<bf16, 2> attn_out;  // (T, D)
   std::span<std::byte> oproj_ws;
 };
 
@@ -87,9 +87,10 @@ class Workspace {
     qkv_cq_ = Buffer<float>(n(T * QL));
     qkv_kvf_ = Buffer<float>(n(T * HD));
     qkv_pairs_ = Buffer<std::int32_t>(n(T * (QL / 2)));
-    const index_t cws = std::max({kernels::compressor_workspace_size(cfg, kernels::csa_compressor_spec(cfg), T),
-                                  kernels::compressor_workspace_size(cfg, kernels::hca_compressor_spec(cfg), T),
-                                  kernels::compressor_workspace_size(cfg, kernels::indexer_compressor_spec(cfg), T)});
+    const index_t cws = std::max(
+        {kernels::compressor_workspace_size(cfg, kernels::csa_compressor_spec(cfg), T),
+         kernels::compressor_workspace_size(cfg, kernels::hca_compressor_spec(cfg), T),
+         kernels::compressor_workspace_size(cfg, kernels::indexer_compressor_spec(cfg), T)});
     compressor_ws_ = Buffer<float>(n(cws));
     cmp_kv_out_ = Buffer<float>(n(B * HD));
     idx_kv_out_ = Buffer<float>(n(B * cfg.idx_head_dim));
@@ -100,7 +101,8 @@ class Workspace {
     score_ = Buffer<float>(n(T * cfg.score_len()));
     topk_ = Buffer<std::int32_t>(n(T * cfg.score_len()));
     o_packed_ = Buffer<bf16>(n(index_t(cfg.o_groups) * T * cfg.o_group_in()));
-    attn_ws_ = Buffer<std::byte>(kernels::sparse_attention_workspace_bytes(cfg, std::max<std::size_t>(1, concurrency)));
+    attn_ws_ = Buffer<std::byte>(
+        kernels::sparse_attention_workspace_bytes(cfg, std::max<std::size_t>(1, concurrency)));
     attn_out_ = Buffer<bf16>(n(T * D));
     oproj_ws_ = Buffer<std::byte>(kernels::output_projection_workspace_bytes(cfg, T));
   }
@@ -154,8 +156,8 @@ class Workspace {
            qkv_x_.size() * 4 + qkv_cq_.size() * 4 + qkv_kvf_.size() * 4 + qkv_pairs_.size() * 4 +
            compressor_ws_.size() * 4 + cmp_kv_out_.size() * 4 + idx_kv_out_.size() * 4 +
            idx_q_i8_.size() + idx_q_scale_.size() * 4 + idx_weights_.size() * 4 +
-           idx_rope_pos_.size() * 4 + score_.size() * 4 + topk_.size() * 4 +
-           o_packed_.size() * 2 + attn_ws_.size() + attn_out_.size() * 2 + oproj_ws_.size();
+           idx_rope_pos_.size() * 4 + score_.size() * 4 + topk_.size() * 4 + o_packed_.size() * 2 +
+           attn_ws_.size() + attn_out_.size() * 2 + oproj_ws_.size();
   }
 
  private:
@@ -163,8 +165,8 @@ class Workspace {
   int max_batch_ = 0, max_seq_ = 0;
   Buffer<bf16> x_mixed_, x_n_, q_, kv_, o_packed_, attn_out_;
   Buffer<double> mixes_;
-  Buffer<float> post_, comb_, qr_scale_, qkv_x_, qkv_cq_, qkv_kvf_, compressor_ws_,
-      cmp_kv_out_, idx_kv_out_, idx_q_scale_, idx_weights_, score_;
+  Buffer<float> post_, comb_, qr_scale_, qkv_x_, qkv_cq_, qkv_kvf_, compressor_ws_, cmp_kv_out_,
+      idx_kv_out_, idx_q_scale_, idx_weights_, score_;
   Buffer<std::int8_t> qr_, idx_q_i8_;
   Buffer<std::int32_t> qkv_pairs_, idx_rope_pos_, topk_;
   Buffer<std::byte> attn_ws_, oproj_ws_;

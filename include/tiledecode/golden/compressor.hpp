@@ -123,9 +123,8 @@ void compressor(const ModelConfig& cfg, const CompressorSpec& spec, View<float, 
       const double inv = 1.0 / std::sqrt(ms + double(cfg.rms_eps));
       std::vector<double> y(static_cast<std::size_t>(HD));
       for (long i = 0; i < HD; ++i) y[i] = pooled[i] * inv * double(w.norm_w.at(i).to_float());
-      const long rope_pos = rope_rule == InnerRopePosition::request_start
-                                ? long(meta.positions.at(b * S))
-                                : c * R;
+      const long rope_pos =
+          rope_rule == InnerRopePosition::request_start ? long(meta.positions.at(b * S)) : c * R;
       (void)rope.cos.at(rope_pos, 0);  // bounds check of the table row
       rope_forward(std::span<double>(y.data() + HD - cfg.rope_dim, std::size_t(cfg.rope_dim)),
                    rope.cos_row(rope_pos), rope.sin_row(rope_pos));
@@ -143,48 +142,45 @@ void compressor(const ModelConfig& cfg, const CompressorSpec& spec, View<float, 
 
 // Golden main compressor (CSA ratio 4 overlapping or HCA ratio 128); see kernels::compressor_step.
 inline void compressor_step(const ModelConfig& cfg, const CompressorSpec& spec,
-                            View<float, 2> state_pool, View<bf16, 2> cmp_kv,
-                            View<float, 2> kv_out, ConstView<bf16, 2> x_n,
-                            const CompressorWeights& w, const CompressorMetadata& meta,
-                            const RopeTableView& rope) {
+                            View<float, 2> state_pool, View<bf16, 2> cmp_kv, View<float, 2> kv_out,
+                            ConstView<bf16, 2> x_n, const CompressorWeights& w,
+                            const CompressorMetadata& meta, const RopeTableView& rope) {
   detail::compressor(cfg, spec, state_pool, kv_out, x_n, w, meta, rope,
-                     InnerRopePosition::window_start,
-                     [&](long slot, const std::vector<float>& y) {
+                     InnerRopePosition::window_start, [&](long slot, const std::vector<float>& y) {
                        for (long i = 0; i < long(y.size()); ++i) cmp_kv.at(slot, i) = bf16(y[i]);
                      });
 }
 
 // Golden indexer inner compressor; see kernels::indexer_compressor_step.
 inline void indexer_compressor_step(const ModelConfig& cfg, View<float, 2> state_pool,
-                                    View<std::int8_t, 2> idx_kv_cache,
-                                    View<float, 1> idx_kv_scale, View<float, 2> kv_out,
-                                    ConstView<bf16, 2> x_n, const CompressorWeights& w,
-                                    ConstView<bf16, 2> hadamard, const CompressorMetadata& meta,
-                                    const RopeTableView& rope,
+                                    View<std::int8_t, 2> idx_kv_cache, View<float, 1> idx_kv_scale,
+                                    View<float, 2> kv_out, ConstView<bf16, 2> x_n,
+                                    const CompressorWeights& w, ConstView<bf16, 2> hadamard,
+                                    const CompressorMetadata& meta, const RopeTableView& rope,
                                     InnerRopePosition rope_rule = InnerRopePosition::window_start) {
   const CompressorSpec spec = kernels::indexer_compressor_spec(cfg);
-  detail::compressor(
-      cfg, spec, state_pool, kv_out, x_n, w, meta, rope, rope_rule,
-      [&](long slot, const std::vector<float>& y) {
-        const long n = long(y.size());
-        std::vector<float> z(static_cast<std::size_t>(n));
-        for (long j = 0; j < n; ++j) {
-          double a = 0;
-          for (long i = 0; i < n; ++i) {
-            a += double(round_bf16(y[i])) * double(hadamard.at(i, j).to_float());
-          }
-          z[j] = round_bf16(float(a));
-        }
-        // Q8 (spec §2): amax floor 1e-4, sq = 127/amax, q = round-half-even(z*sq), dq = 1/sq.
-        float amax = 1e-4f;
-        for (float v : z) amax = std::max(amax, std::fabs(v));
-        const float sq = 127.0f / amax;
-        for (long j = 0; j < n; ++j) {
-          const float q = std::clamp(std::nearbyint(z[j] * sq), -127.0f, 127.0f);
-          idx_kv_cache.at(slot, j) = static_cast<std::int8_t>(q);
-        }
-        idx_kv_scale.at(slot) = 1.0f / sq;
-      });
+  detail::compressor(cfg, spec, state_pool, kv_out, x_n, w, meta, rope, rope_rule,
+                     [&](long slot, const std::vector<float>& y) {
+                       const long n = long(y.size());
+                       std::vector<float> z(static_cast<std::size_t>(n));
+                       for (long j = 0; j < n; ++j) {
+                         double a = 0;
+                         for (long i = 0; i < n; ++i) {
+                           a += double(round_bf16(y[i])) * double(hadamard.at(i, j).to_float());
+                         }
+                         z[j] = round_bf16(float(a));
+                       }
+                       // Q8 (spec §2): amax floor 1e-4, sq = 127/amax, q = round-half-even(z*sq),
+                       // dq = 1/sq.
+                       float amax = 1e-4f;
+                       for (float v : z) amax = std::max(amax, std::fabs(v));
+                       const float sq = 127.0f / amax;
+                       for (long j = 0; j < n; ++j) {
+                         const float q = std::clamp(std::nearbyint(z[j] * sq), -127.0f, 127.0f);
+                         idx_kv_cache.at(slot, j) = static_cast<std::int8_t>(q);
+                       }
+                       idx_kv_scale.at(slot) = 1.0f / sq;
+                     });
 }
 
 }  // namespace tiledecode::golden

@@ -78,22 +78,22 @@ inline void decode_layer(View<float, 3> x_out, ConstView<float, 3> x_hc,
   golden::build_kv_seq_lens(tr.kv_seq_lens.view(), starts, sh, cfg);
   const ConstView<std::int32_t, 1> pos = tr.position_ids.view();
   golden::build_ori_slot_mapping(tr.ori_slot_mapping.view(), pos, tables.block_table, 0, sh, cfg);
-  golden::build_window_indices(tr.window_indices.view(), tr.window_lens.view(), pos, tables.block_table, 0,
-                       sh, cfg);
+  golden::build_window_indices(tr.window_indices.view(), tr.window_lens.view(), pos,
+                               tables.block_table, 0, sh, cfg);
   if (kind == LayerKind::csa) {
-    golden::build_compressed_slot_mapping(tr.cmp_slot_mapping.view(), pos, tables.cmp_block_table, 0, 4,
-                                  sh, cfg);
-    golden::build_compressed_slot_mapping(tr.idx_slot_mapping.view(), pos, tables.idx_block_table, 0, 4,
-                                  sh, cfg);
+    golden::build_compressed_slot_mapping(tr.cmp_slot_mapping.view(), pos, tables.cmp_block_table,
+                                          0, 4, sh, cfg);
+    golden::build_compressed_slot_mapping(tr.idx_slot_mapping.view(), pos, tables.idx_block_table,
+                                          0, 4, sh, cfg);
     golden::build_state_slot_mapping(tr.state_slot_mapping.view(), pos, tables.csa_state_table, 0,
-                             cfg.c4_state_page, sh, cfg);
+                                     cfg.c4_state_page, sh, cfg);
     golden::build_state_slot_mapping(tr.inner_state_slot_mapping.view(), pos,
-                             tables.csa_inner_state_table, 0, cfg.c4_state_page, sh, cfg);
+                                     tables.csa_inner_state_table, 0, cfg.c4_state_page, sh, cfg);
   } else if (kind == LayerKind::hca) {
-    golden::build_compressed_slot_mapping(tr.cmp_slot_mapping.view(), pos, tables.cmp_block_table, 0, 128,
-                                  sh, cfg);
+    golden::build_compressed_slot_mapping(tr.cmp_slot_mapping.view(), pos, tables.cmp_block_table,
+                                          0, 128, sh, cfg);
     golden::build_state_slot_mapping(tr.state_slot_mapping.view(), pos, tables.hca_state_table, 0,
-                             cfg.c128_state_page, sh, cfg);
+                                     cfg.c128_state_page, sh, cfg);
   }
 
   // Front-end (spec §4).
@@ -117,22 +117,23 @@ inline void decode_layer(View<float, 3> x_out, ConstView<float, 3> x_hc,
   if (kind != LayerKind::swa) {
     const auto spec = kind == LayerKind::csa ? kernels::csa_compressor_spec(cfg)
                                              : kernels::hca_compressor_spec(cfg);
-    const auto& state_table = kind == LayerKind::csa ? tables.csa_state_table : tables.hca_state_table;
+    const auto& state_table =
+        kind == LayerKind::csa ? tables.csa_state_table : tables.hca_state_table;
     Tensor<float, 2> kv_out({B, cfg.head_dim});
-    compressor_step(cfg, spec, c.state, c.cmp_kv, kv_out.view(), tr.x_n.view(), w.compressor,
-                    {sh, pos, tr.state_slot_mapping.view(), tr.cmp_slot_mapping.view(), state_table},
-                    rope);
+    compressor_step(
+        cfg, spec, c.state, c.cmp_kv, kv_out.view(), tr.x_n.view(), w.compressor,
+        {sh, pos, tr.state_slot_mapping.view(), tr.cmp_slot_mapping.view(), state_table}, rope);
   }
   if (kind == LayerKind::csa) {
     const bool ref = opt.indexer_rope == decode::IndexerRope::reference;
     Tensor<float, 2> idx_out({B, cfg.idx_head_dim});
-    indexer_compressor_step(cfg, c.inner_state, c.idx_kv_cache, c.idx_kv_scale, idx_out.view(),
-                            tr.x_n.view(), w.indexer.compressor, w.indexer.hadamard,
-                            {sh, pos, tr.inner_state_slot_mapping.view(), tr.idx_slot_mapping.view(),
-                             tables.csa_inner_state_table},
-                            rope,
-                            ref ? kernels::InnerRopePosition::request_start
-                                : kernels::InnerRopePosition::window_start);
+    indexer_compressor_step(
+        cfg, c.inner_state, c.idx_kv_cache, c.idx_kv_scale, idx_out.view(), tr.x_n.view(),
+        w.indexer.compressor, w.indexer.hadamard,
+        {sh, pos, tr.inner_state_slot_mapping.view(), tr.idx_slot_mapping.view(),
+         tables.csa_inner_state_table},
+        rope,
+        ref ? kernels::InnerRopePosition::request_start : kernels::InnerRopePosition::window_start);
     Tensor<std::int32_t, 1> rope_pos({T});
     for (index_t t = 0; t < T; ++t) rope_pos.view()(t) = ref ? starts[t / S] : pos(t);
     tr.idx_q_i8 = Tensor<std::int8_t, 3>({T, cfg.idx_n_heads, cfg.idx_head_dim});
@@ -143,8 +144,8 @@ inline void decode_layer(View<float, 3> x_out, ConstView<float, 3> x_hc,
                   w.indexer.wq_b, w.indexer.wq_b_scale, rope_pos.view(), rope, w.indexer.hadamard);
     indexer_weights(cfg, tr.idx_weights.view(), tr.x_n.view(), w.indexer.weights_proj);
     indexer_score(cfg, tr.score.view(), tr.idx_q_i8.view(), tr.idx_q_scale.view(),
-                  tr.idx_weights.view(), c.idx_kv_cache, c.idx_kv_scale, tables.idx_block_table, pos,
-                  lens, int(S));
+                  tr.idx_weights.view(), c.idx_kv_cache, c.idx_kv_scale, tables.idx_block_table,
+                  pos, lens, int(S));
     indexer_topk(cfg, tr.topk_idxs.view(), tr.score.view(), pos, lens, int(S), cfg.idx_topk, 0);
   } else {
     for (auto& v : tr.topk_idxs.flat()) v = -1;

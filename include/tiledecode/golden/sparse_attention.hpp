@@ -75,8 +75,8 @@ inline void sparse_attention(const ModelConfig& cfg, LayerKind kind, View<bf16, 
         if (raw >= 0 && raw < (p + 1) / 4) rows[win + i] = cmp_row(raw);
       }
     } else if (kind == LayerKind::hca) {
-      const index_t n = std::min<index_t>({cfg.hca_capacity(), (p + 1) / 128,
-                                           index_t(kv_seq_lens.at(b)) / 128});
+      const index_t n =
+          std::min<index_t>({cfg.hca_capacity(), (p + 1) / 128, index_t(kv_seq_lens.at(b)) / 128});
       for (index_t i = 0; i < n; ++i) rows[win + i] = cmp_row(i);
     }
     bool any = false;
@@ -96,7 +96,8 @@ inline void sparse_attention(const ModelConfig& cfg, LayerKind kind, View<bf16, 
               s[j] = kMaskNeg;
             } else {
               double dot = 0;
-              for (index_t d = 0; d < D; ++d) dot += double(q(t, h, d).to_float()) * kr[d].to_float();
+              for (index_t d = 0; d < D; ++d)
+                dot += double(q(t, h, d).to_float()) * kr[d].to_float();
               s[j] = double(scale) * dot;
             }
             mb = std::max(mb, s[j]);

@@ -3,7 +3,8 @@
 // tensors so they can be lined up against a PyTorch reference:
 //   np.load("q.npy")  →  ndarray with the view's shape, C order, little-endian.
 // BF16 has no NumPy dtype: it is written as '<u2' (the raw bits); read it back with
-//   torch.from_numpy(a.astype(np.int16)).view(torch.bfloat16)   or   (a.astype(np.uint32) << 16).view(np.float32)
+//   torch.from_numpy(a.astype(np.int16)).view(torch.bfloat16)   or   (a.astype(np.uint32) <<
+//   16).view(np.float32)
 // Header: magic "\x93NUMPY", version 1.0, little-endian uint16 header length, then the Python
 // dict literal padded with spaces and a final '\n' so data starts on a 64-byte boundary.
 
@@ -26,27 +27,43 @@ namespace tiledecode::io {
 template <class T>
 constexpr std::string_view npy_descr() {
   using U = std::remove_cv_t<T>;
-  if constexpr (std::is_same_v<U, bf16>) return "<u2";
-  else if constexpr (std::is_same_v<U, float>) return "<f4";
-  else if constexpr (std::is_same_v<U, double>) return "<f8";
-  else if constexpr (std::is_same_v<U, std::int8_t>) return "|i1";
-  else if constexpr (std::is_same_v<U, std::uint8_t>) return "|u1";
-  else if constexpr (std::is_same_v<U, std::int32_t>) return "<i4";
-  else if constexpr (std::is_same_v<U, std::int64_t>) return "<i8";
-  else static_assert(sizeof(U) == 0, "no .npy dtype for this element type");
+  if constexpr (std::is_same_v<U, bf16>)
+    return "<u2";
+  else if constexpr (std::is_same_v<U, float>)
+    return "<f4";
+  else if constexpr (std::is_same_v<U, double>)
+    return "<f8";
+  else if constexpr (std::is_same_v<U, std::int8_t>)
+    return "|i1";
+  else if constexpr (std::is_same_v<U, std::uint8_t>)
+    return "|u1";
+  else if constexpr (std::is_same_v<U, std::int32_t>)
+    return "<i4";
+  else if constexpr (std::is_same_v<U, std::int64_t>)
+    return "<i8";
+  else
+    static_assert(sizeof(U) == 0, "no .npy dtype for this element type");
 }
 
 template <class T>
 constexpr std::string_view dtype_name() {
   using U = std::remove_cv_t<T>;
-  if constexpr (std::is_same_v<U, bf16>) return "bfloat16";
-  else if constexpr (std::is_same_v<U, float>) return "float32";
-  else if constexpr (std::is_same_v<U, double>) return "float64";
-  else if constexpr (std::is_same_v<U, std::int8_t>) return "int8";
-  else if constexpr (std::is_same_v<U, std::uint8_t>) return "uint8";
-  else if constexpr (std::is_same_v<U, std::int32_t>) return "int32";
-  else if constexpr (std::is_same_v<U, std::int64_t>) return "int64";
-  else static_assert(sizeof(U) == 0, "no dtype name for this element type");
+  if constexpr (std::is_same_v<U, bf16>)
+    return "bfloat16";
+  else if constexpr (std::is_same_v<U, float>)
+    return "float32";
+  else if constexpr (std::is_same_v<U, double>)
+    return "float64";
+  else if constexpr (std::is_same_v<U, std::int8_t>)
+    return "int8";
+  else if constexpr (std::is_same_v<U, std::uint8_t>)
+    return "uint8";
+  else if constexpr (std::is_same_v<U, std::int32_t>)
+    return "int32";
+  else if constexpr (std::is_same_v<U, std::int64_t>)
+    return "int64";
+  else
+    static_assert(sizeof(U) == 0, "no dtype name for this element type");
 }
 
 // The complete .npy header (magic .. padding) for a C-order array.

@@ -76,14 +76,14 @@ namespace tiledecode::kernels {
 
 // Geometry of one compressor (spec §6.2–§6.4).
 struct CompressorSpec {
-  int ratio = 4;         // R: 4 or 128
-  int head_dim = 512;    // width of the emitted row: 512 (main), 128 (indexer inner)
-  bool overlap = true;   // ratio-4 overlapping windows (COFF 2)
+  int ratio = 4;        // R: 4 or 128
+  int head_dim = 512;   // width of the emitted row: 512 (main), 128 (indexer inner)
+  bool overlap = true;  // ratio-4 overlapping windows (COFF 2)
 
   constexpr int coff() const { return overlap ? 2 : 1; }
-  constexpr int out_dim() const { return coff() * head_dim; }     // OUT_DIM
-  constexpr int state_width() const { return 2 * out_dim(); }     // [kv | score]
-  constexpr int window() const { return coff() * ratio; }         // candidates per channel
+  constexpr int out_dim() const { return coff() * head_dim; }  // OUT_DIM
+  constexpr int state_width() const { return 2 * out_dim(); }  // [kv | score]
+  constexpr int window() const { return coff() * ratio; }      // candidates per channel
 };
 
 // CSA main compressor: ratio 4, overlapping, OUT_DIM 1024.
@@ -115,11 +115,11 @@ struct CompressorWeights {
 // Step metadata of one compressor (spec §3). Slot mappings are INT64 flattened physical rows,
 // -1 = "do not write"; table entries < 0 are unmapped pages.
 struct CompressorMetadata {
-  paged::StepShape shape;                          // B, S (commit masking lives in cmp_slot_mapping)
-  ConstView<std::int32_t, 1> positions;            // (T) absolute position of token t = b*S + s
-  ConstView<std::int64_t, 1> state_slot_mapping;   // (T) state row of each token, or -1
-  ConstView<std::int64_t, 1> cmp_slot_mapping;     // (T) emitted row of a committed boundary, or -1
-  ConstView<std::int32_t, 2> state_table;          // (B, cols) state page ids by pos / state_page
+  paged::StepShape shape;                         // B, S (commit masking lives in cmp_slot_mapping)
+  ConstView<std::int32_t, 1> positions;           // (T) absolute position of token t = b*S + s
+  ConstView<std::int64_t, 1> state_slot_mapping;  // (T) state row of each token, or -1
+  ConstView<std::int64_t, 1> cmp_slot_mapping;    // (T) emitted row of a committed boundary, or -1
+  ConstView<std::int32_t, 2> state_table;         // (B, cols) state page ids by pos / state_page
 };
 
 // RoPE position of the indexer's compressed row (spec §5 [AMBIGUOUS], §11.2).
@@ -131,7 +131,9 @@ enum class InnerRopePosition : std::uint8_t {
 namespace detail {
 
 inline constexpr index_t kWsAlign = 16;  // floats: every workspace part starts on 64 bytes
-constexpr index_t ws_round(index_t n) { return (n + kWsAlign - 1) / kWsAlign * kWsAlign; }
+constexpr index_t ws_round(index_t n) {
+  return (n + kWsAlign - 1) / kWsAlign * kWsAlign;
+}
 
 }  // namespace detail
 
@@ -216,7 +218,9 @@ inline bool use_avx2(const cpu::Context& ctx) {
 // ---------------------------------------------------------------------------------------------
 // Validation (once, before the first write).
 
-inline bool view_given(index_t size, const void* data) { return data != nullptr && size > 0; }
+inline bool view_given(index_t size, const void* data) {
+  return data != nullptr && size > 0;
+}
 
 template <class T>
 void check_matrix(std::string_view where, std::string_view arg, ConstView<T, 2> v, index_t rows,
@@ -535,7 +539,8 @@ inline void indexer_compressor_step(const cpu::Context& ctx, const ModelConfig& 
   detail::check_matrix<std::int8_t>(where, "idx_kv_cache", idx_kv_cache, -1, HD);
   check_equal(where, "idx_kv_scale.extent(0)", idx_kv_scale.extent(0), idx_kv_cache.extent(0));
   detail::check_matrix<bf16>(where, "hadamard", hadamard, HD, HD);
-  if (rope_rule != InnerRopePosition::window_start && rope_rule != InnerRopePosition::request_start) {
+  if (rope_rule != InnerRopePosition::window_start &&
+      rope_rule != InnerRopePosition::request_start) {
     throw_arg(where, "rope_rule", int(rope_rule), "window_start or request_start");
   }
   detail::check_compressor_args(where, cfg, spec, state_pool, idx_kv_cache.extent(0), kv_out, x_n,
@@ -560,10 +565,10 @@ inline void indexer_compressor_step(const cpu::Context& ctx, const ModelConfig& 
         detail::hadamard_row_scalar(ws.z, ws.pooled, hadamard.data(), hadamard.stride(0), HD);
 #endif
         for (index_t i = 0; i < HD; ++i) ws.z[i] = round_bf16(ws.z[i]);
-        idx_kv_scale(slot) = quantize_q8(
-            std::span<std::int8_t>(idx_kv_cache.data() + slot * idx_kv_cache.stride(0),
-                                   std::size_t(HD)),
-            std::span<const float>(ws.z, std::size_t(HD)));
+        idx_kv_scale(slot) =
+            quantize_q8(std::span<std::int8_t>(idx_kv_cache.data() + slot * idx_kv_cache.stride(0),
+                                               std::size_t(HD)),
+                        std::span<const float>(ws.z, std::size_t(HD)));
       });
 }
 

@@ -18,8 +18,8 @@
 //   post[i]    = 2 * sigmoid(mix[4+i] * scale[1] + base[4+i])   i < 4 (output gate in (0, 2))
 //   c[i][o]    = mix[8+4i+o] * scale[2] + base[8+4i+o]
 //   Sinkhorn, 20 iterations (kHcSinkhornIters), eps = kHcEps = 1e-6:
-//     iteration 1:  c = softmax_o(c) + eps ; c[i][o] /= (Σ_i c[i][o] + eps)      (rows, then columns)
-//     iterations 2..20: c[i][o] /= (Σ_o c[i][o] + eps) ; c[i][o] /= (Σ_i c[i][o] + eps)
+//     iteration 1:  c = softmax_o(c) + eps ; c[i][o] /= (Σ_i c[i][o] + eps)      (rows, then
+//     columns) iterations 2..20: c[i][o] /= (Σ_o c[i][o] + eps) ; c[i][o] /= (Σ_i c[i][o] + eps)
 //   so the last normalisation is over the input index i: every output stream o receives a convex
 //   combination of the input streams (Σ_i comb[i][o] ≈ 1).
 //   x_mixed[t] = bf16( Σ_i pre[i] * x_hc[t, i, :] )             (i ascending, FP32)
@@ -51,8 +51,8 @@
 
 namespace tiledecode {
 
-inline constexpr int kHcStreams = 4;                                   // hc_mult
-inline constexpr int kHcMixes = (2 + kHcStreams) * kHcStreams;         // 24
+inline constexpr int kHcStreams = 4;                            // hc_mult
+inline constexpr int kHcMixes = (2 + kHcStreams) * kHcStreams;  // 24
 inline constexpr int kHcSinkhornIters = 20;
 inline constexpr float kHcEps = 1e-6f;
 
@@ -69,7 +69,8 @@ namespace detail {
 inline void check_hc_weights(std::string_view where, const HcWeights& w, const ModelConfig& cfg) {
   check_equal(where, "cfg.hc_mult", cfg.hc_mult, kHcStreams);
   check_equal<index_t>(where, "weights.fn.extent(0)", w.fn.extent(0), kHcMixes);
-  check_equal<index_t>(where, "weights.fn.extent(1)", w.fn.extent(1), index_t(kHcStreams) * cfg.hidden);
+  check_equal<index_t>(where, "weights.fn.extent(1)", w.fn.extent(1),
+                       index_t(kHcStreams) * cfg.hidden);
   check_equal<index_t>(where, "weights.fn.stride(1)", w.fn.stride(1), 1);
   check_equal<index_t>(where, "weights.scale.extent(0)", w.scale.extent(0), 3);
   check_equal<index_t>(where, "weights.base.extent(0)", w.base.extent(0), kHcMixes);
@@ -207,7 +208,8 @@ inline void hc_post(const cpu::Context& ctx, View<float, 3> y, ConstView<bf16, 2
   check_equal<index_t>(where, "post.extent(1)", post.extent(1), kHcStreams);
   check_equal<index_t>(where, "comb.extent(1)", comb.extent(1), kHcStreams);
   check_equal<index_t>(where, "comb.extent(2)", comb.extent(2), kHcStreams);
-  if (y.data() == x_hc.data()) throw_arg(where, "y", "x_hc's buffer", "a buffer distinct from x_hc");
+  if (y.data() == x_hc.data())
+    throw_arg(where, "y", "x_hc's buffer", "a buffer distinct from x_hc");
   [[maybe_unused]] const bool avx2 = ctx.isa == cpu::Isa::avx2 && TILEDECODE_X86;
   // One task per (token, 512-column chunk): enough tasks for any thread count.
   const index_t chunk = 512, n_chunks = (D + chunk - 1) / chunk;

@@ -3,7 +3,8 @@
 //   o_r[t,g,:]    = o_packed[g*T+t, :] @ wo_a[g]^T          FP32 accumulate, BF16 weights
 //   a_i8, a_dq    = Q8(o_r[t,g,:])                          per (token, group) over O_LORA
 //   P_g[t,n]      = Σ_r a_i8[t,g,r] · wo_b[n, g*O_LORA + r]  exact INT32
-//   attn_out[t,n] = bf16(wo_b_scale[n] · Σ_g a_dq[t,g] · P_g[t,n])  (groups summed in order g = 0..)
+//   attn_out[t,n] = bf16(wo_b_scale[n] · Σ_g a_dq[t,g] · P_g[t,n])  (groups summed in order g =
+//   0..)
 //
 // Three phases, each parallel over a shape-only split (bit-identical for any thread count):
 //   1. o_packed → FP32 once (workspace), so the wo_a loop reads activations without conversion;
@@ -37,21 +38,23 @@ namespace tiledecode::kernels {
 
 namespace output_projection_detail {
 
-inline constexpr int kRowsPerTask = 32;   // wo_a rows per task
-inline constexpr int kKChunk = 4096;       // wo_a reduction chunk (activations in L1)
-inline constexpr int kTokTile = 8;        // tokens sharing one widened weight vector
-inline constexpr int kChanPerTask = 32;   // wo_b output channels per task
+inline constexpr int kRowsPerTask = 32;  // wo_a rows per task
+inline constexpr int kKChunk = 512;      // wo_a reduction chunk (activations in L1)
+inline constexpr int kTokTile = 8;       // tokens sharing one widened weight vector
+inline constexpr int kChanPerTask = 32;  // wo_b output channels per task
 
-constexpr std::size_t round64(std::size_t n) { return (n + 63) / 64 * 64; }
+constexpr std::size_t round64(std::size_t n) {
+  return (n + 63) / 64 * 64;
+}
 
 struct Layout {
   std::size_t of, orr, a, adq, total;  // byte offsets
   Layout(const ModelConfig& cfg, std::size_t T) {
     const std::size_t G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in();
-    of = 0;                                            // FP32 [G*T, K]
-    orr = of + round64(G * T * K * sizeof(float));     // FP32 [T, G, R]
-    a = orr + round64(T * G * R * sizeof(float));      // INT8 [T, G*R]
-    adq = a + round64(T * G * R);                      // FP32 [T, G]
+    of = 0;                                         // FP32 [G*T, K]
+    orr = of + round64(G * T * K * sizeof(float));  // FP32 [T, G, R]
+    a = orr + round64(T * G * R * sizeof(float));   // INT8 [T, G*R]
+    adq = a + round64(T * G * R);                   // FP32 [T, G]
     total = adq + round64(T * G * sizeof(float));
   }
 };
@@ -115,8 +118,8 @@ void run(const cpu::Context& ctx, const ModelConfig& cfg, View<bf16, 2> attn_out
       const int kc = int(std::min<index_t>(kKChunk, K - k0));
       for (index_t t0 = 0; t0 < T; t0 += kTokTile) {
         const int nt = int(std::min<index_t>(kTokTile, T - t0));
-        Ops::a_chunk(orr + (t0 * G + g) * R + r0, G * R, of + (g * T + t0) * K + k0, K, nt,
-                     w + k0, wo_a.stride(1), nr, kc);
+        Ops::a_chunk(orr + (t0 * G + g) * R + r0, G * R, of + (g * T + t0) * K + k0, K, nt, w + k0,
+                     wo_a.stride(1), nr, kc);
       }
     }
   });

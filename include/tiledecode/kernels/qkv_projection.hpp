@@ -42,28 +42,28 @@ namespace tiledecode {
 
 // The q/kv projection weights of one layer (spec §2 layouts, used as x @ W).
 struct QkvWeights {
-  ConstView<bf16, 2> wq_a;               // (D, Q_LORA)
-  ConstView<bf16, 1> gamma_cq;           // (Q_LORA)
-  ConstView<std::int8_t, 2> wq_b;        // (Q_LORA, H*512)
-  ConstView<float, 1> wq_b_scale;        // (H*512) per output column
-  ConstView<bf16, 2> wkv;                // (D, 512)
-  ConstView<bf16, 1> gamma_ckv;          // (512)
+  ConstView<bf16, 2> wq_a;         // (D, Q_LORA)
+  ConstView<bf16, 1> gamma_cq;     // (Q_LORA)
+  ConstView<std::int8_t, 2> wq_b;  // (Q_LORA, H*512)
+  ConstView<float, 1> wq_b_scale;  // (H*512) per output column
+  ConstView<bf16, 2> wkv;          // (D, 512)
+  ConstView<bf16, 1> gamma_ckv;    // (512)
 };
 
 // Caller scratch of qkv_projection (FP32 / INT32, T rows).
 struct QkvScratch {
-  View<float, 2> x;                 // (T, D)       x_n widened to FP32
-  View<float, 2> cq;                // (T, Q_LORA)  normed q-latent
-  View<float, 2> kvf;               // (T, 512)     normed kv before RoPE
-  View<std::int32_t, 2> qr_pairs;   // (T, Q_LORA/2) qr packed as int16 pairs
+  View<float, 2> x;                // (T, D)       x_n widened to FP32
+  View<float, 2> cq;               // (T, Q_LORA)  normed q-latent
+  View<float, 2> kvf;              // (T, 512)     normed kv before RoPE
+  View<std::int32_t, 2> qr_pairs;  // (T, Q_LORA/2) qr packed as int16 pairs
 };
 
 namespace kernels {
 
 namespace detail {
 // Scalar twins of the AVX2 axpy matmuls (same order of summation).
-inline void matmul_bf16_axpy_scalar(float* dst, index_t dst_ld, const float* x, index_t x_ld,
-                                    int T, const bf16* w, index_t w_ld, index_t K, index_t n0,
+inline void matmul_bf16_axpy_scalar(float* dst, index_t dst_ld, const float* x, index_t x_ld, int T,
+                                    const bf16* w, index_t w_ld, index_t K, index_t n0,
                                     index_t n1) {
   for (int t = 0; t < T; ++t)
     for (index_t n = n0; n < n1; ++n) dst[t * dst_ld + n] = 0.0f;
@@ -108,15 +108,16 @@ inline void matmul_i8_axpy_scalar(std::int32_t* acc, index_t acc_ld, const std::
 // position_ids[t] must lie in [0, rope.length()). Scratch views per QkvScratch.
 // Throws tiledecode::Error on any shape or position mismatch, before writing anything.
 inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 2> kv,
-                           View<std::int8_t, 2> qr, View<float, 1> qr_scale,
-                           ConstView<bf16, 2> x_n, const QkvWeights& w, RopeTableView rope,
+                           View<std::int8_t, 2> qr, View<float, 1> qr_scale, ConstView<bf16, 2> x_n,
+                           const QkvWeights& w, RopeTableView rope,
                            ConstView<std::int32_t, 1> position_ids, QkvScratch s,
                            const ModelConfig& cfg) {
   constexpr std::string_view where = "qkv_projection";
   const index_t T = x_n.extent(0), D = cfg.hidden, QL = cfg.q_lora, H = cfg.n_heads;
   const index_t HD = cfg.head_dim, NOPE = cfg.nope_dim(), RD = cfg.rope_dim;
   constexpr index_t kMaxHeadDim = 512;
-  if (HD > kMaxHeadDim || HD % 16 != 0) throw_arg(where, "cfg.head_dim", HD, "a multiple of 16 <= 512");
+  if (HD > kMaxHeadDim || HD % 16 != 0)
+    throw_arg(where, "cfg.head_dim", HD, "a multiple of 16 <= 512");
   if (QL % 64 != 0) throw_arg(where, "cfg.q_lora", QL, "a multiple of 64");
   if (HD % 64 != 0) throw_arg(where, "cfg.head_dim", HD, "a multiple of 64");
   // INT32 bound of the q-latent matmul: Q_LORA · 127 · 127 < 2^31.
@@ -182,8 +183,8 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
       }
 #endif
       detail::matmul_bf16_axpy_scalar(dst.data() + t0 * dst.stride(0), dst.stride(0),
-                                      s.x.data() + t0 * s.x.stride(0), s.x.stride(0), tc,
-                                      wm.data(), wm.stride(0), D, n0, n0 + kTile);
+                                      s.x.data() + t0 * s.x.stride(0), s.x.stride(0), tc, wm.data(),
+                                      wm.stride(0), D, n0, n0 + kTile);
     }
   });
 
@@ -201,7 +202,8 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
     }
     const float* kvr = s.kvf.data() + t * s.kvf.stride(0);
     double kd[kMaxHeadDim];
-    const double r = 1.0 / std::sqrt(sum_squares_f64(kvr, HD, ctx.isa) / double(HD) + double(cfg.rms_eps));
+    const double r =
+        1.0 / std::sqrt(sum_squares_f64(kvr, HD, ctx.isa) / double(HD) + double(cfg.rms_eps));
     for (index_t i = 0; i < HD; ++i) kd[i] = double(kvr[i]) * r * double(w.gamma_ckv(i).to_float());
     const index_t pos = position_ids(t);
     detail::rope_forward_f64(kd + NOPE, rope.cos_row(pos), rope.sin_row(pos), RD);
@@ -219,8 +221,8 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
 #if TILEDECODE_X86
       if (avx2) {
         cpu::avx2::matmul_i8_axpy(acc, HD, s.qr_pairs.data() + t0 * s.qr_pairs.stride(0),
-                                  s.qr_pairs.stride(0), tc, w.wq_b.data(), w.wq_b.stride(0), QL,
-                                  n0, n0 + HD);
+                                  s.qr_pairs.stride(0), tc, w.wq_b.data(), w.wq_b.stride(0), QL, n0,
+                                  n0 + HD);
       } else
 #endif
       {

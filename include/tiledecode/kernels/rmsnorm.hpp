@@ -1,11 +1,11 @@
 #pragma once
 // Attention RMSNorm (spec §4 step 2):
 //   x_n[t, :] = bf16( x[t, :] * r_t * w )   with r_t = 1 / sqrt(mean(x[t, :]^2) + eps)
-// x and w are BF16; the sum of squares (sequential), r_t and the products run in double and the result is rounded to BF16 via FP32. Double costs
-// nothing here (D values per token) and keeps x_n on the reference's side of every BF16 rounding
-// boundary (see kernels/hyper_connection.hpp for why that matters downstream). eps =
-// cfg.rms_eps (1e-6). One task per token row.
-// Also the in-place RMSNorm with weight used inside qkv_projection (`rmsnorm_row_f64`).
+// x and w are BF16; the sum of squares (sequential), r_t and the products run in double and the
+// result is rounded to BF16 via FP32. Double costs nothing here (D values per token) and keeps x_n
+// on the reference's side of every BF16 rounding boundary (see kernels/hyper_connection.hpp for why
+// that matters downstream). eps = cfg.rms_eps (1e-6). One task per token row. Also the in-place
+// RMSNorm with weight used inside qkv_projection (`rmsnorm_row_f64`).
 
 #include <cmath>
 #include <cstdint>

@@ -57,14 +57,16 @@ inline constexpr int kHeadsPerItem = 64;  // heads sharing one FP32 copy of a KV
 inline constexpr int kBlock = 128;        // ATTN_K_TILE (validated against cfg)
 inline constexpr int kMaxDim = 512;       // head_dim (validated against cfg)
 
-constexpr std::size_t round16(std::size_t n) { return (n + 15) / 16 * 16; }
+constexpr std::size_t round16(std::size_t n) {
+  return (n + 15) / 16 * 16;
+}
 
 // Per-slot workspace layout, in floats; every part starts on a 64-byte boundary.
 struct SlotLayout {
   int ldk, lds, dim, heads;
   std::size_t kf, qf, s, o, stats, total;  // offsets (floats) and total size
-  explicit SlotLayout(int head_dim) : ldk(head_dim + 16), lds(kHeadsPerItem), dim(head_dim),
-                                      heads(kHeadsPerItem) {
+  explicit SlotLayout(int head_dim)
+      : ldk(head_dim + 16), lds(kHeadsPerItem), dim(head_dim), heads(kHeadsPerItem) {
     kf = 0;
     qf = kf + round16(std::size_t(kBlock) * ldk);
     s = qf + round16(std::size_t(heads) * dim);
@@ -87,7 +89,8 @@ struct ScalarOps {
     for (int j = 0; j < nc; ++j)
       for (int h = 0; h < nh; ++h) {
         float acc = 0;
-        for (int d = 0; d < dim; ++d) acc += qt[std::int64_t(d) * ldq + h] * kf[std::int64_t(j) * ldk + d];
+        for (int d = 0; d < dim; ++d)
+          acc += qt[std::int64_t(d) * ldq + h] * kf[std::int64_t(j) * ldk + d];
         st[std::int64_t(j) * lds + h] = scale * acc;
       }
   }
@@ -196,8 +199,8 @@ inline int gather_block_rows(const Args& a, index_t t, int beta, const bf16** ro
       if (raw >= 0 && raw < (p + 1) / 4) r = compressed_row(a, b, raw);
     } else if (a.kind == LayerKind::hca) {
       const index_t i = c - cfg.window;
-      const index_t n_t = std::min<index_t>(
-          {cfg.hca_capacity(), (p + 1) / 128, index_t(a.kv_seq_lens(b)) / 128});
+      const index_t n_t =
+          std::min<index_t>({cfg.hca_capacity(), (p + 1) / 128, index_t(a.kv_seq_lens(b)) / 128});
       if (i < n_t) r = compressed_row(a, b, i);
     }
     if (r != nullptr) rows[n++] = r;
@@ -335,7 +338,8 @@ inline void validate(const Args& a, std::size_t workspace_bytes, std::size_t slo
       throw_arg(where, "attn_sink[" + std::to_string(h) + "]", a.attn_sink(h), "a finite value");
   if (a.kind != LayerKind::swa) {
     check_equal(where, "cmp_kv.extent(1)", a.cmp_kv.extent(1), D);
-    if (a.cmp_kv.extent(0) > 0) check_equal(where, "cmp_kv.stride(1)", a.cmp_kv.stride(1), index_t(1));
+    if (a.cmp_kv.extent(0) > 0)
+      check_equal(where, "cmp_kv.stride(1)", a.cmp_kv.stride(1), index_t(1));
     if (a.cmp_kv.extent(0) % cfg.page != 0)
       throw_arg(where, "cmp_kv.extent(0)", a.cmp_kv.extent(0), "a multiple of the page (128)");
     const index_t cmp_blocks = a.cmp_kv.extent(0) / cfg.page;
@@ -413,21 +417,17 @@ inline std::size_t sparse_attention_workspace_bytes(const ModelConfig& cfg, std:
 //   rope         the layer's RoPE table (covers every position)
 //   workspace    >= sparse_attention_workspace_bytes(cfg, 1) bytes, any alignment
 // Throws tiledecode::Error on invalid arguments before writing anything.
-inline void sparse_attention(const cpu::Context& ctx, const ModelConfig& cfg, LayerKind kind,
-                             View<bf16, 2> o_packed, ConstView<bf16, 3> q,
-                             ConstView<bf16, 2> kv_cache, ConstView<bf16, 2> cmp_kv,
-                             ConstView<std::int32_t, 2> window_idx,
-                             ConstView<std::int32_t, 1> window_lens,
-                             ConstView<std::int32_t, 2> topk_idxs,
-                             ConstView<std::int32_t, 2> cmp_block_table,
-                             ConstView<std::int32_t, 1> positions,
-                             ConstView<std::int32_t, 1> kv_seq_lens, int seq,
-                             ConstView<float, 1> attn_sink, const RopeTableView& rope,
-                             std::span<std::byte> workspace) {
+inline void sparse_attention(
+    const cpu::Context& ctx, const ModelConfig& cfg, LayerKind kind, View<bf16, 2> o_packed,
+    ConstView<bf16, 3> q, ConstView<bf16, 2> kv_cache, ConstView<bf16, 2> cmp_kv,
+    ConstView<std::int32_t, 2> window_idx, ConstView<std::int32_t, 1> window_lens,
+    ConstView<std::int32_t, 2> topk_idxs, ConstView<std::int32_t, 2> cmp_block_table,
+    ConstView<std::int32_t, 1> positions, ConstView<std::int32_t, 1> kv_seq_lens, int seq,
+    ConstView<float, 1> attn_sink, const RopeTableView& rope, std::span<std::byte> workspace) {
   namespace sd = sparse_attention_detail;
-  const sd::Args a{&cfg,      kind,        o_packed,  q,           kv_cache,    cmp_kv,
-                   window_idx, window_lens, topk_idxs, cmp_block_table, positions, kv_seq_lens,
-                   seq,       attn_sink,   rope};
+  const sd::Args a{&cfg,      kind,        o_packed,    q,         kv_cache,
+                   cmp_kv,    window_idx,  window_lens, topk_idxs, cmp_block_table,
+                   positions, kv_seq_lens, seq,         attn_sink, rope};
   const sd::SlotLayout L(cfg.head_dim);
   sd::validate(a, workspace.size() >= 64 ? workspace.size() - 64 : 0, L.bytes());
   if (q.extent(0) == 0) return;

@@ -60,8 +60,8 @@ TILEDECODE_TARGET_AVX2 inline __m256 exp_ps(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
   const __m256 r2 = _mm256_mul_ps(r, r);
   p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   return _mm256_andnot_ps(underflow, y);
 }
@@ -93,7 +93,8 @@ TILEDECODE_TARGET_AVX2 inline void project_tile(__m256* acc, const bf16* w, cons
   for (; k < n; k += 8) {
     const __m256 vw = load_bf16x8(w + k);
 #pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) a[t] = _mm256_fmadd_ps(vw, _mm256_loadu_ps(x + t * ld_x + k), a[t]);
+    for (int t = 0; t < NT; ++t)
+      a[t] = _mm256_fmadd_ps(vw, _mm256_loadu_ps(x + t * ld_x + k), a[t]);
   }
 #pragma GCC unroll 8
   for (int t = 0; t < NT; ++t) acc[t] = a[t];
@@ -116,14 +117,30 @@ TILEDECODE_TARGET_AVX2 inline void compressor_project_rows(float* out, index_t l
       for (int t = 0; t < G; ++t) acc[t] = _mm256_setzero_ps();
       const bf16* wr = w + r * ld_w;
       switch (nt) {
-        case 8: project_tile<8>(acc, wr, xg, ld_x, d); break;
-        case 7: project_tile<7>(acc, wr, xg, ld_x, d); break;
-        case 6: project_tile<6>(acc, wr, xg, ld_x, d); break;
-        case 5: project_tile<5>(acc, wr, xg, ld_x, d); break;
-        case 4: project_tile<4>(acc, wr, xg, ld_x, d); break;
-        case 3: project_tile<3>(acc, wr, xg, ld_x, d); break;
-        case 2: project_tile<2>(acc, wr, xg, ld_x, d); break;
-        default: project_tile<1>(acc, wr, xg, ld_x, d); break;
+        case 8:
+          project_tile<8>(acc, wr, xg, ld_x, d);
+          break;
+        case 7:
+          project_tile<7>(acc, wr, xg, ld_x, d);
+          break;
+        case 6:
+          project_tile<6>(acc, wr, xg, ld_x, d);
+          break;
+        case 5:
+          project_tile<5>(acc, wr, xg, ld_x, d);
+          break;
+        case 4:
+          project_tile<4>(acc, wr, xg, ld_x, d);
+          break;
+        case 3:
+          project_tile<3>(acc, wr, xg, ld_x, d);
+          break;
+        case 2:
+          project_tile<2>(acc, wr, xg, ld_x, d);
+          break;
+        default:
+          project_tile<1>(acc, wr, xg, ld_x, d);
+          break;
       }
       for (int t = 0; t < nt; ++t) out[(tg + t) * ld_out + r] = hsum(acc[t]);
     }
@@ -134,10 +151,9 @@ TILEDECODE_TARGET_AVX2 inline void compressor_project_rows(float* out, index_t l
 // candidate j read at kv[j][c] and score[j][c]. Online softmax over chunks of
 // kCompressorPoolChunk candidates: one running max per channel seeded with kNegBig (so a window
 // of only masked candidates pools to 0 instead of NaN), one rescale per chunk.
-TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(float* pooled,
-                                                            const float* const* kv,
-                                                            const float* const* score,
-                                                            int n_cand, index_t c0, index_t c1) {
+TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(float* pooled, const float* const* kv,
+                                                            const float* const* score, int n_cand,
+                                                            index_t c0, index_t c1) {
   for (index_t c = c0; c < c1; c += 8) {
     __m256 m = _mm256_set1_ps(kNegBig);
     __m256 l = _mm256_setzero_ps();
@@ -145,7 +161,8 @@ TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(float* pooled,
     for (int j0 = 0; j0 < n_cand; j0 += kCompressorPoolChunk) {
       const int jn = std::min(kCompressorPoolChunk, n_cand - j0);
       __m256 m_new = m;
-      for (int j = j0; j < j0 + jn; ++j) m_new = _mm256_max_ps(m_new, _mm256_loadu_ps(score[j] + c));
+      for (int j = j0; j < j0 + jn; ++j)
+        m_new = _mm256_max_ps(m_new, _mm256_loadu_ps(score[j] + c));
       const __m256 alpha = exp_ps(_mm256_sub_ps(m, m_new));
       l = _mm256_mul_ps(l, alpha);
       acc = _mm256_mul_ps(acc, alpha);
@@ -162,9 +179,8 @@ TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(float* pooled,
 }
 
 // z[j] = Σ_i y[i] * h[i*ld_h + j] for j < n (n % 8 == 0), i ascending (row-vector times matrix).
-TILEDECODE_TARGET_AVX2 inline void compressor_hadamard_row(float* z, const float* y,
-                                                           const bf16* h, index_t ld_h,
-                                                           index_t n) {
+TILEDECODE_TARGET_AVX2 inline void compressor_hadamard_row(float* z, const float* y, const bf16* h,
+                                                           index_t ld_h, index_t n) {
   for (index_t j = 0; j < n; j += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (index_t i = 0; i < n; ++i) {

@@ -23,13 +23,13 @@ namespace tiledecode::cpu::avx2 {
 // dst[t, n] = Σ_k x[t, k] * w[k, n] for t < T and n in [n0, n1), k ascending; n1 - n0 must be a
 // multiple of 8. x holds BF16 values widened to FP32 (x_ld floats per row); w is BF16 with w_ld
 // elements per row; dst is FP32 with dst_ld per row and is overwritten.
-TILEDECODE_TARGET_AVX2 inline void matmul_bf16_axpy(float* dst, std::int64_t dst_ld,
-                                                    const float* x, std::int64_t x_ld, int T,
-                                                    const bf16* w, std::int64_t w_ld,
-                                                    std::int64_t K, std::int64_t n0,
-                                                    std::int64_t n1) {
+TILEDECODE_TARGET_AVX2 inline void matmul_bf16_axpy(float* dst, std::int64_t dst_ld, const float* x,
+                                                    std::int64_t x_ld, int T, const bf16* w,
+                                                    std::int64_t w_ld, std::int64_t K,
+                                                    std::int64_t n0, std::int64_t n1) {
   for (int t = 0; t < T; ++t)
-    for (std::int64_t n = n0; n < n1; n += 8) _mm256_storeu_ps(dst + t * dst_ld + n, _mm256_setzero_ps());
+    for (std::int64_t n = n0; n < n1; n += 8)
+      _mm256_storeu_ps(dst + t * dst_ld + n, _mm256_setzero_ps());
   std::int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
     const bf16* w0 = w + k * w_ld;
@@ -54,8 +54,8 @@ TILEDECODE_TARGET_AVX2 inline void matmul_bf16_axpy(float* dst, std::int64_t dst
       const __m256 a0 = load_bf16x8(w + k * w_ld + n);
       for (int t = 0; t < T; ++t) {
         float* d = dst + t * dst_ld + n;
-        _mm256_storeu_ps(d, _mm256_fmadd_ps(_mm256_broadcast_ss(x + t * x_ld + k), a0,
-                                            _mm256_loadu_ps(d)));
+        _mm256_storeu_ps(
+            d, _mm256_fmadd_ps(_mm256_broadcast_ss(x + t * x_ld + k), a0, _mm256_loadu_ps(d)));
       }
     }
   }
@@ -81,9 +81,8 @@ TILEDECODE_TARGET_AVX2 inline void i8_row_pairs(const std::int8_t* p, std::int64
 // columns {0-3, 8-11} and {4-7, 12-15}; the accumulators keep that order and `acc` is written
 // back in natural order at the end.
 TILEDECODE_TARGET_AVX2 inline void matmul_i8_axpy(std::int32_t* acc, std::int64_t acc_ld,
-                                                  const std::int32_t* a_pairs,
-                                                  std::int64_t a_ld, int T,
-                                                  const std::int8_t* w, std::int64_t w_ld,
+                                                  const std::int32_t* a_pairs, std::int64_t a_ld,
+                                                  int T, const std::int8_t* w, std::int64_t w_ld,
                                                   std::int64_t K, std::int64_t n0,
                                                   std::int64_t n1) {
   const std::int64_t width = n1 - n0;
@@ -105,10 +104,14 @@ TILEDECODE_TARGET_AVX2 inline void matmul_i8_axpy(std::int32_t* acc, std::int64_
         const __m256i b2 = _mm256_set1_epi32(ap[2]), b3 = _mm256_set1_epi32(ap[3]);
         __m256i* d = reinterpret_cast<__m256i*>(acc + t * acc_ld + j);
         __m256i x = _mm256_loadu_si256(d), y = _mm256_loadu_si256(d + 1);
-        x = _mm256_add_epi32(x, _mm256_add_epi32(_mm256_madd_epi16(l0, b0), _mm256_madd_epi16(l1, b1)));
-        x = _mm256_add_epi32(x, _mm256_add_epi32(_mm256_madd_epi16(l2, b2), _mm256_madd_epi16(l3, b3)));
-        y = _mm256_add_epi32(y, _mm256_add_epi32(_mm256_madd_epi16(h0, b0), _mm256_madd_epi16(h1, b1)));
-        y = _mm256_add_epi32(y, _mm256_add_epi32(_mm256_madd_epi16(h2, b2), _mm256_madd_epi16(h3, b3)));
+        x = _mm256_add_epi32(
+            x, _mm256_add_epi32(_mm256_madd_epi16(l0, b0), _mm256_madd_epi16(l1, b1)));
+        x = _mm256_add_epi32(
+            x, _mm256_add_epi32(_mm256_madd_epi16(l2, b2), _mm256_madd_epi16(l3, b3)));
+        y = _mm256_add_epi32(
+            y, _mm256_add_epi32(_mm256_madd_epi16(h0, b0), _mm256_madd_epi16(h1, b1)));
+        y = _mm256_add_epi32(
+            y, _mm256_add_epi32(_mm256_madd_epi16(h2, b2), _mm256_madd_epi16(h3, b3)));
         _mm256_storeu_si256(d, x);
         _mm256_storeu_si256(d + 1, y);
       }
@@ -122,7 +125,8 @@ TILEDECODE_TARGET_AVX2 inline void matmul_i8_axpy(std::int32_t* acc, std::int64_
         const __m256i b0 = _mm256_set1_epi32(a_pairs[t * a_ld + k / 2]);
         __m256i* d = reinterpret_cast<__m256i*>(acc + t * acc_ld + j);
         _mm256_storeu_si256(d, _mm256_add_epi32(_mm256_loadu_si256(d), _mm256_madd_epi16(l0, b0)));
-        _mm256_storeu_si256(d + 1, _mm256_add_epi32(_mm256_loadu_si256(d + 1), _mm256_madd_epi16(h0, b0)));
+        _mm256_storeu_si256(d + 1,
+                            _mm256_add_epi32(_mm256_loadu_si256(d + 1), _mm256_madd_epi16(h0, b0)));
       }
     }
   }

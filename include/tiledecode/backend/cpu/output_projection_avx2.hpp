@@ -27,7 +27,8 @@ TILEDECODE_TARGET_AVX2 inline void oproj_a_tile(float* out, std::int64_t ldout, 
     for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
     for (int k = 0; k < kc; k += 8) {
       const __m256 wv = load_bf16x8(wr + k);
-      for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(o + t * ldo + k), wv, acc[t]);
+      for (int t = 0; t < NT; ++t)
+        acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(o + t * ldo + k), wv, acc[t]);
     }
     for (int t = 0; t < NT; ++t) out[t * ldout + r] += hsum(acc[t]);
   }
@@ -37,18 +38,34 @@ TILEDECODE_TARGET_AVX2 inline void oproj_a_chunk(float* out, std::int64_t ldout,
                                                  std::int64_t ldo, int nt, const bf16* w,
                                                  std::int64_t ldw, int nr, int kc) {
   int t = 0;
-  for (; t + 8 <= nt; t += 8) oproj_a_tile<8>(out + t * ldout, ldout, o + t * ldo, ldo, w, ldw, nr, kc);
+  for (; t + 8 <= nt; t += 8)
+    oproj_a_tile<8>(out + t * ldout, ldout, o + t * ldo, ldo, w, ldw, nr, kc);
   float* ot = out + t * ldout;
   const float* at = o + t * ldo;
   switch (nt - t) {
-    case 7: oproj_a_tile<7>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
-    case 6: oproj_a_tile<6>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
-    case 5: oproj_a_tile<5>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
-    case 4: oproj_a_tile<4>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
-    case 3: oproj_a_tile<3>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
-    case 2: oproj_a_tile<2>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
-    case 1: oproj_a_tile<1>(ot, ldout, at, ldo, w, ldw, nr, kc); break;
-    default: break;
+    case 7:
+      oproj_a_tile<7>(ot, ldout, at, ldo, w, ldw, nr, kc);
+      break;
+    case 6:
+      oproj_a_tile<6>(ot, ldout, at, ldo, w, ldw, nr, kc);
+      break;
+    case 5:
+      oproj_a_tile<5>(ot, ldout, at, ldo, w, ldw, nr, kc);
+      break;
+    case 4:
+      oproj_a_tile<4>(ot, ldout, at, ldo, w, ldw, nr, kc);
+      break;
+    case 3:
+      oproj_a_tile<3>(ot, ldout, at, ldo, w, ldw, nr, kc);
+      break;
+    case 2:
+      oproj_a_tile<2>(ot, ldout, at, ldo, w, ldw, nr, kc);
+      break;
+    case 1:
+      oproj_a_tile<1>(ot, ldout, at, ldo, w, ldw, nr, kc);
+      break;
+    default:
+      break;
   }
 }
 
@@ -87,10 +104,17 @@ TILEDECODE_TARGET_AVX2 inline void oproj_b_pair(std::int32_t* p, std::int64_t ld
   int t = 0;
   for (; t + 4 <= nt; t += 4) oproj_b_tile<4>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr);
   switch (nt - t) {
-    case 3: oproj_b_tile<3>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr); break;
-    case 2: oproj_b_tile<2>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr); break;
-    case 1: oproj_b_tile<1>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr); break;
-    default: break;
+    case 3:
+      oproj_b_tile<3>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr);
+      break;
+    case 2:
+      oproj_b_tile<2>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr);
+      break;
+    case 1:
+      oproj_b_tile<1>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr);
+      break;
+    default:
+      break;
   }
 }
 

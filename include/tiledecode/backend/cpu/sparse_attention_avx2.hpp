@@ -42,7 +42,8 @@ TILEDECODE_TARGET_AVX2 inline __m256 exp_nonpositive(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
@@ -103,16 +104,28 @@ TILEDECODE_TARGET_AVX2 inline void qk_cols(float* st, int lds, const float* qt, 
                                            const float* kf, int ldk, int nc, int dim, float scale) {
   int j = 0;
   for (; j + 6 <= nc; j += 6)
-    qk_tile<6, NV>(st + std::int64_t(j) * lds, lds, qt, ldq, kf + std::int64_t(j) * ldk, ldk, dim, scale);
+    qk_tile<6, NV>(st + std::int64_t(j) * lds, lds, qt, ldq, kf + std::int64_t(j) * ldk, ldk, dim,
+                   scale);
   float* sj = st + std::int64_t(j) * lds;
   const float* kj = kf + std::int64_t(j) * ldk;
   switch (nc - j) {
-    case 5: qk_tile<5, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale); break;
-    case 4: qk_tile<4, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale); break;
-    case 3: qk_tile<3, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale); break;
-    case 2: qk_tile<2, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale); break;
-    case 1: qk_tile<1, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale); break;
-    default: break;
+    case 5:
+      qk_tile<5, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale);
+      break;
+    case 4:
+      qk_tile<4, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale);
+      break;
+    case 3:
+      qk_tile<3, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale);
+      break;
+    case 2:
+      qk_tile<2, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale);
+      break;
+    case 1:
+      qk_tile<1, NV>(sj, lds, qt, ldq, kj, ldk, dim, scale);
+      break;
+    default:
+      break;
   }
 }
 
@@ -149,8 +162,8 @@ TILEDECODE_TARGET_AVX2 inline void sa_softmax_block(float* st, int lds, int nh, 
 // on the first block, so o need not be initialised). p is column-major (j, heads).
 template <int NH>
 TILEDECODE_TARGET_AVX2 inline void pv_tile(float* o, int ldo, const float* p, int ldp,
-                                           const float* kf, int ldk, int nc,
-                                           const float* alpha, const float* gamma, bool first) {
+                                           const float* kf, int ldk, int nc, const float* alpha,
+                                           const float* gamma, bool first) {
   // Two accumulator arrays, fully unrolled loops: keeps all 2·NH accumulators in registers
   // (a single acc[NH][2] array made GCC store them to the stack every iteration).
   __m256 lo[NH], hi[NH];
@@ -196,11 +209,21 @@ TILEDECODE_TARGET_AVX2 inline void sa_pv_merge(float* o, int ldo, const float* p
       const float* ph = p + h;
       const float* kd = kf + d;
       switch (take) {
-        case 6: pv_tile<6>(oh, ldo, ph, ldp, kd, ldk, nc, alpha + h, gamma + h, first); break;
-        case 4: pv_tile<4>(oh, ldo, ph, ldp, kd, ldk, nc, alpha + h, gamma + h, first); break;
-        case 3: pv_tile<3>(oh, ldo, ph, ldp, kd, ldk, nc, alpha + h, gamma + h, first); break;
-        case 2: pv_tile<2>(oh, ldo, ph, ldp, kd, ldk, nc, alpha + h, gamma + h, first); break;
-        default: pv_tile<1>(oh, ldo, ph, ldp, kd, ldk, nc, alpha + h, gamma + h, first); break;
+        case 6:
+          pv_tile<6>(oh, ldo, ph, ldp, kd, ldk, nc, alpha + h, gamma + h, first);
+          break;
+        case 4:
+          pv_tile<4>(oh, ldo, ph, ldp, kd, ldk, nc, alpha + h, gamma + h, first);
+          break;
+        case 3:
+          pv_tile<3>(oh, ldo, ph, ldp, kd, ldk, nc, alpha + h, gamma + h, first);
+          break;
+        case 2:
+          pv_tile<2>(oh, ldo, ph, ldp, kd, ldk, nc, alpha + h, gamma + h, first);
+          break;
+        default:
+          pv_tile<1>(oh, ldo, ph, ldp, kd, ldk, nc, alpha + h, gamma + h, first);
+          break;
       }
       h += take;
     }
