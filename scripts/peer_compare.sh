@@ -40,5 +40,5 @@ lscpu > "$BUILD_DIR/lscpu.txt"
 
 notes=()
 [ -f "$ROOT/bench/peer/notes.md" ] && notes=(--notes "$ROOT/bench/peer/notes.md")
-python3 "$ROOT/bench/report" "$OUT_JSON" --out "$DOCS_DIR" --lscpu "$BUILD_DIR/lscpu.txt" \
+/usr/bin/python3 "$ROOT/bench/report" "$OUT_JSON" --out "$DOCS_DIR" --lscpu "$BUILD_DIR/lscpu.txt" \
   --command "scripts/peer_compare.sh $*" "${notes[@]}"

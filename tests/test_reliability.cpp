@@ -10,6 +10,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -656,6 +658,117 @@ TEST(Adversarial, MetadataRejectsOutOfRangeIdsNamingThem) {
   table.view()(1, 1) = -1;  // unmapped → -1 slots, not an error
   td::paged::build_ori_slot_mapping(slots.view(), pos.view(), table.view(), 64, sh, cfg);
   for (auto v : slots.flat()) EXPECT_EQ(v, -1);
+}
+
+// === validation cost (docs/security.md) ==========================================================
+// Not a test (no timed assertion; disabled by default). Run it on a quiet machine with
+//   ./test_reliability --gtest_also_run_disabled_tests --gtest_filter='*ValidationCost*'
+// It times, at the flash shapes, B = 4, S = 2, starts 8192 (commit_tokens 1), one CSA layer step
+// (the heaviest family) against the validation work of that step: the layer's own checks, the
+// separable validators (sparse attention, both compressors), and upper bounds for the kernels
+// whose checks are inline (indexer score / top-k and the kv cache write, timed whole on inputs
+// that leave nothing to compute: every token with 0 visible rows). StepMetadata::build
+// (validation + fill, once per step for all 43 layers) is reported separately.
+
+template <class F>
+double median_seconds(int reps, F&& f) {
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+TEST(Reliability, DISABLED_ValidationCost) {
+  const auto cfg = td::flash_config();
+  const int B = 4, S = 2;
+  const index_t T = B * S;
+  const std::size_t threads = std::getenv("TD_THREADS") ? std::stoul(std::getenv("TD_THREADS")) : 2;
+  td::ThreadPool pool(threads);
+  const auto be = td::decode::Backend::cpu(&pool);
+  const td::paged::FixtureTables fx(B, cfg);
+  td::paged::StepMetadata md(B, S, cfg);
+  const std::vector<std::int32_t> starts(B, 8192);
+  const td::paged::StepShape sh{B, S, 1};
+  md.build(starts, sh, fx.tables(), fx.pools, cfg);
+  tdtest::LayerSetup L(cfg, LayerKind::csa, fx.pools, 2, 31, be.cpu_ctx);
+  td::decode::Workspace ws(cfg, B, S, be.concurrency());
+  td::Tensor<float, 3> x_hc({T, 4, cfg.hidden}), x_out({T, 4, cfg.hidden});
+  td::decode::synthetic::fill_x_hc(be.cpu_ctx, x_hc.view(), 99, 0);
+  const auto w = L.weights.view();
+  const auto c = L.caches.view();
+  const auto rope = L.rope.view();
+  auto step = [&] { td::decode::layer_step(be, x_out.view(), x_hc.view(), w, c, md, rope, ws, cfg); };
+  step();
+  const double t_step = median_seconds(7, step);
+
+  const int reps = 501;
+  double t_val = 0;
+  auto report = [&](const char* name, double sec) {
+    std::printf("  %-44s %9.2f us  (%.4f %% of the step)\n", name, sec * 1e6, 100 * sec / t_step);
+  };
+  std::printf("CSA layer step, flash, B=4 S=2 start 8192, %zu threads, ISA %s: %.3f ms\n", threads,
+              std::string(td::cpu::to_string(be.cpu_ctx.isa)).c_str(), t_step * 1e3);
+  auto add = [&](const char* name, double sec) {
+    t_val += sec;
+    report(name, sec);
+  };
+  add("decode::layer_step own checks", median_seconds(reps, [&] {
+        td::decode::detail::validate_layer("layer_step", be, x_out.view(), x_hc.view(), w, c, md, ws, cfg);
+      }));
+  auto v = ws.views(B, S);
+  const td::kernels::sparse_attention_detail::Args args{
+      &cfg, LayerKind::csa, v.o_packed, v.q, c.kv_cache, c.cmp_kv, md.window_indices(),
+      md.window_lens(), v.topk_idxs, md.tables().cmp_block_table, md.position_ids(),
+      md.kv_seq_lens(), S, w.attn_sink, rope};
+  const td::kernels::sparse_attention_detail::SlotLayout lay(cfg.head_dim);
+  add("sparse_attention validate", median_seconds(reps, [&] {
+        td::kernels::sparse_attention_detail::validate(args, v.attn_ws.size() - 64, lay.bytes());
+      }));
+  const auto pos = md.position_ids();
+  const td::kernels::CompressorMetadata main_meta{sh, pos, md.csa_state_slot_mapping(),
+                                                  md.csa_cmp_slot_mapping(),
+                                                  md.tables().csa_state_table};
+  const td::kernels::CompressorMetadata inner_meta{sh, pos, md.csa_inner_state_slot_mapping(),
+                                                   md.csa_idx_slot_mapping(),
+                                                   md.tables().csa_inner_state_table};
+  add("compressor (main) check_compressor_args", median_seconds(reps, [&] {
+        td::kernels::detail::check_compressor_args(
+            "compressor_step", cfg, td::kernels::csa_compressor_spec(cfg), c.state,
+            c.cmp_kv.extent(0), v.cmp_kv_out, v.x_n, w.compressor, main_meta, rope,
+            td::kernels::InnerRopePosition::window_start, v.compressor_ws);
+      }));
+  add("indexer compressor check_compressor_args", median_seconds(reps, [&] {
+        td::kernels::detail::check_compressor_args(
+            "indexer_compressor_step", cfg, td::kernels::indexer_compressor_spec(cfg),
+            c.inner_state, c.idx_kv_cache.extent(0), v.idx_kv_out, v.x_n, w.indexer.compressor,
+            inner_meta, rope, td::kernels::InnerRopePosition::window_start, v.compressor_ws);
+      }));
+  // Upper bounds: the whole call on inputs with nothing visible (validation + tail fill only).
+  td::Tensor<std::int32_t, 1> pos0({T}), len0({B});
+  add("indexer_score whole call, vis = 0 (bound)", median_seconds(reps, [&] {
+        td::kernels::indexer_score(be.cpu_ctx, cfg, v.score, v.idx_q_i8, v.idx_q_scale,
+                                   v.idx_weights, c.idx_kv_cache, c.idx_kv_scale,
+                                   md.tables().idx_block_table, pos0.view(), len0.view(), S);
+      }));
+  add("indexer_topk whole call, vis = 0 (bound)", median_seconds(reps, [&] {
+        td::kernels::indexer_topk(be.cpu_ctx, cfg, v.topk_idxs, v.score, pos0.view(), len0.view(),
+                                  S, cfg.idx_topk, 0);
+      }));
+  add("write_cache whole call, 8 rows (bound)", median_seconds(reps, [&] {
+        td::paged::write_cache<bf16>(c.kv_cache, v.kv, md.ori_slot_mapping());
+      }));
+  std::printf("  total validation (bound) per CSA layer: %.2f us = %.4f %% of the layer step\n",
+              t_val * 1e6, 100 * t_val / t_step);
+  const double t_md = median_seconds(reps, [&] { md.build(starts, sh, fx.tables(), fx.pools, cfg); });
+  std::printf("  StepMetadata::build (validate + fill, once per step for all layers): %.2f us = "
+              "%.4f %% of one layer step, %.5f %% of a 43-layer step\n",
+              t_md * 1e6, 100 * t_md / t_step, 100 * t_md / (43 * t_step));
+  md.build(starts, sh, fx.tables(), fx.pools, cfg);
+  step();  // the timed calls above only validated or wrote tails: the layer still runs cleanly
 }
 
 }  // namespace
