@@ -7,13 +7,14 @@
 # Installs what is missing (Debian: libtorch-dev, libopenblas0-pthread, python3-matplotlib),
 # makes sure libblas.so.3 — the BLAS ATen's sgemm_ calls on Debian, chosen through
 # update-alternatives — is OpenBLAS (pthread) and not the reference BLAS (~50x slower: the
-# peer would be a strawman), builds peer_compare in $BUILD_DIR (default build-peer) and runs
+# peer would be a strawman), builds peer_compare in its own build folder $PEER_BUILD_DIR
+# (default build-peer: tests and examples off, so it never touches the main build) and runs
 # it, then bench/report. The binary prints which library sgemm_ resolved to at run time; the
 # report quotes it.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-BUILD_DIR="${BUILD_DIR:-$ROOT/build-peer}"
-OUT_JSON="${OUT_JSON:-$BUILD_DIR/peer_compare.json}"
+PEER_BUILD_DIR="${PEER_BUILD_DIR:-$ROOT/build-peer}"
+OUT_JSON="${OUT_JSON:-$PEER_BUILD_DIR/peer_compare.json}"
 DOCS_DIR="${DOCS_DIR:-$ROOT/docs}"
 
 install_missing_packages libtorch-dev libopenblas0-pthread python3-matplotlib
@@ -31,14 +32,14 @@ if [ "$current" != "$openblas" ]; then
 fi
 echo "== libblas.so.3 -> $(readlink -f "/usr/lib/$arch/libblas.so.3")"
 
-cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+cmake -S "$ROOT" -B "$PEER_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DTILEDECODE_BUILD_TESTS=OFF -DTILEDECODE_BUILD_EXAMPLES=OFF -DTILEDECODE_BUILD_BENCH=ON
-cmake --build "$BUILD_DIR" --target peer_compare -j "$JOBS"
+cmake --build "$PEER_BUILD_DIR" --target peer_compare -j "$JOBS"
 
-lscpu > "$BUILD_DIR/lscpu.txt"
-"$BUILD_DIR/bench/peer/peer_compare" --json "$OUT_JSON" "$@" | tee "$BUILD_DIR/peer_compare.log"
+lscpu > "$PEER_BUILD_DIR/lscpu.txt"
+"$PEER_BUILD_DIR/bench/peer/peer_compare" --json "$OUT_JSON" "$@" | tee "$PEER_BUILD_DIR/peer_compare.log"
 
 notes=()
 [ -f "$ROOT/bench/peer/notes.md" ] && notes=(--notes "$ROOT/bench/peer/notes.md")
-/usr/bin/python3 "$ROOT/bench/report" "$OUT_JSON" --out "$DOCS_DIR" --lscpu "$BUILD_DIR/lscpu.txt" \
+/usr/bin/python3 "$ROOT/bench/report" "$OUT_JSON" --out "$DOCS_DIR" --lscpu "$PEER_BUILD_DIR/lscpu.txt" \
   --command "scripts/peer_compare.sh $*" "${notes[@]}"

@@ -18,12 +18,14 @@
 #include "tiledecode/backend/a2a3/layer.hpp"
 #include "tiledecode/backend/a2a3/machine.hpp"
 #include "tiledecode/backend/a2a3/memory.hpp"
+#include "tiledecode/backend/a2a3/qkv_projection.hpp"
 #include "tiledecode/backend/a2a3/sparse_attention.hpp"
 #include "tiledecode/backend/a2a3/trace.hpp"
 #include "tiledecode/core/hadamard.hpp"
 #include "tiledecode/golden/compressor.hpp"
 #include "tiledecode/golden/indexer.hpp"
 #include "tiledecode/golden/output_projection.hpp"
+#include "tiledecode/golden/qkv_projection.hpp"
 #include "tiledecode/golden/sparse_attention.hpp"
 #include "tiledecode/paged/metadata.hpp"
 
@@ -804,4 +806,45 @@ TEST(A2a3IndexerWithInnerCompressor, EqualsGoldenComposition) {
       e(cg.idx_kv.flat().begin(), cg.idx_kv.flat().end());
   EXPECT_TRUE(tdtest::ratio_allclose(a, e, 1.0, 0.0, 0.01));
   expect_indexer_matches(f, ref);
+}
+
+// ---------------------------------------------------------------------------------------------
+// qkv_proj_rope (spec §4.3) against golden::qkv_projection
+
+TEST(A2a3QkvProjection, EqualsGolden) {
+  const td::ModelConfig cfg = td::flash_config();
+  const index_t T = 8, D = cfg.hidden, QL = cfg.q_lora, HQ = index_t(cfg.n_heads) * cfg.head_dim;
+  tdtest::Rng rng(5);
+  td::Tensor<td::bf16, 2> x_n({T, D}), wq_a({D, QL}), wkv({D, cfg.head_dim});
+  td::Tensor<td::bf16, 1> gq({QL}), gk({cfg.head_dim});
+  td::Tensor<std::int8_t, 2> wq_b({QL, HQ});
+  td::Tensor<float, 1> wq_b_scale({HQ});
+  rng.fill_normal(x_n.flat(), 1.0f);
+  rng.fill_normal(wq_a.flat(), 0.02f);
+  rng.fill_normal(wkv.flat(), 0.02f);
+  for (auto& g : gq.flat()) g = td::bf16(rng.uniform(0.5f, 1.5f));
+  for (auto& g : gk.flat()) g = td::bf16(rng.uniform(0.5f, 1.5f));
+  rng.fill_int8(wq_b.flat());
+  for (auto& s : wq_b_scale.flat()) s = rng.uniform(0.5f, 1.5f) / 127.0f / 32.0f;
+  const td::QkvWeights w{wq_a.view(), gq.view(), wq_b.view(), wq_b_scale.view(), wkv.view(), gk.view()};
+  const td::RopeTable rope = td::make_rope_table(cfg, td::LayerKind::csa, cfg.max_seq_len);
+  td::Tensor<std::int32_t, 1> pos({T});
+  const std::int32_t p[8] = {8192, 8193, 0, 1, 2, 3, 3, 4};
+  for (int t = 0; t < 8; ++t) pos.view()(t) = p[t];
+  td::Tensor<td::bf16, 3> q({T, cfg.n_heads, cfg.head_dim}), qg({T, cfg.n_heads, cfg.head_dim});
+  td::Tensor<td::bf16, 2> kv({T, cfg.head_dim}), kvg({T, cfg.head_dim});
+  td::Tensor<std::int8_t, 2> qr({T, QL}), qrg({T, QL});
+  td::Tensor<float, 1> qs({T}), qsg({T});
+  td::golden::qkv_projection(qg.view(), kvg.view(), qrg.view(), qsg.view(), x_n.view(), w, rope.view(), pos.view(), cfg);
+  a2::Machine m;
+  a2::QkvWorkspace ws(int(T), cfg);
+  const auto rep = a2::qkv_projection(m, q.view(), kv.view(), qr.view(), qs.view(), x_n.view(), w, rope.view(),
+                                      pos.view(), ws, cfg);
+  EXPECT_EQ(rep.launches.size(), 4u);
+  auto f = [](const auto& t) { return tdtest::to_floats(std::span<const td::bf16>(t.flat())); };
+  EXPECT_TRUE(tdtest::ratio_allclose(f(q), f(qg), 1e-4, 1.0 / 128, 0.0));
+  EXPECT_TRUE(tdtest::ratio_allclose(f(kv), f(kvg), 1e-4, 1.0 / 128, 0.0));
+  std::vector<float> a(qr.flat().begin(), qr.flat().end()), e(qrg.flat().begin(), qrg.flat().end());
+  EXPECT_TRUE(tdtest::ratio_allclose(a, e, 1.0, 0.0, 0.0));
+  EXPECT_TRUE(tdtest::ratio_allclose(qs.flat(), qsg.flat(), 2.5e-5, 5e-3, 0.0));
 }

@@ -10,12 +10,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <string>
 #include <vector>
 
 #include "common/compare.hpp"
 #include "common/decode_fixture.hpp"
 #include "tiledecode/decode/step.hpp"
 #include "tiledecode/golden/decode_layer.hpp"
+#include "tiledecode/io/npy.hpp"
 
 // ---- counting global allocator: every operator new of this binary goes through here --------
 namespace {
@@ -237,6 +239,40 @@ TEST(DecodeStep, ConsecutiveMtpStepsCrossEveryBoundary) {
 TEST(DecodeStep, ThreeHundredConsecutiveSteps) {
   if (!std::getenv("TILEDECODE_LONG_TESTS")) GTEST_SKIP() << "set TILEDECODE_LONG_TESTS=1";
   run_consecutive_steps({0, 8192}, 300);
+}
+
+}  // namespace
+
+namespace {
+
+// NumPy format 1.0 writer used by the example's --dump.
+TEST(DecodeStepNpy, WritesFormat10HeaderAndCOrderData) {
+  td::Tensor<std::int32_t, 2> a({3, 4});
+  for (int i = 0; i < 12; ++i) a.data()[i] = i;
+  const std::string path = testing::TempDir() + "/td_npy_test.npy";
+  // A strided (transposed) view must come out in C order of the view.
+  td::View<std::int32_t, 2> tr(a.data(), {4, 3}, {1, 4});
+  td::io::write_npy(path, tr);
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  ASSERT_NE(f, nullptr);
+  std::vector<unsigned char> b(4096);
+  b.resize(std::fread(b.data(), 1, b.size(), f));
+  std::fclose(f);
+  ASSERT_GE(b.size(), 10u);
+  EXPECT_EQ(0, std::memcmp(b.data(), "\x93NUMPY\x01\x00", 8));
+  const std::size_t hl = b[8] | (std::size_t(b[9]) << 8);
+  EXPECT_EQ((10 + hl) % 64, 0u);
+  const std::string header(b.begin() + 10, b.begin() + 10 + std::ptrdiff_t(hl));
+  EXPECT_EQ(header.rfind("{'descr': '<i4', 'fortran_order': False, 'shape': (4, 3), }", 0), 0u)
+      << header;
+  EXPECT_EQ(header.back(), '\n');
+  ASSERT_EQ(b.size(), 10 + hl + 12 * 4);
+  std::int32_t v[12];
+  std::memcpy(v, b.data() + 10 + hl, sizeof v);
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 3; ++j) EXPECT_EQ(v[i * 3 + j], j * 4 + i);
+  EXPECT_EQ(td::io::npy_header("<u2", {7}).find("'shape': (7,)"), 51u);
+  EXPECT_EQ(td::io::dtype_name<td::bf16>(), "bfloat16");
 }
 
 }  // namespace

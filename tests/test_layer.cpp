@@ -10,6 +10,7 @@
 #include "common/decode_fixture.hpp"
 #include "common/random.hpp"
 #include "tiledecode/decode/step.hpp"
+#include "tiledecode/decode/synthetic.hpp"
 #include "tiledecode/golden/decode_layer.hpp"
 #include "tiledecode/golden/hyper_connection.hpp"
 #include "tiledecode/golden/qkv_projection.hpp"
@@ -187,15 +188,17 @@ struct QkvFixture {
         wq_b({c.q_lora, index_t(c.n_heads) * c.head_dim}),
         wq_b_scale({index_t(c.n_heads) * c.head_dim}),
         pos({T}),
-        rope(td::make_rope_table(c, td::LayerKind::csa, c.max_seq_len)) {
-    tdtest::Rng rng(seed);
-    rng.fill_normal(x_n.flat(), 1.0f);
-    rng.fill_normal(wq_a.flat(), 1.0f / 64.0f);
-    rng.fill_normal(wkv.flat(), 1.0f / 64.0f);
-    rng.fill_uniform(gamma_cq.flat(), 0.5f, 1.5f);
-    rng.fill_uniform(gamma_ckv.flat(), 0.5f, 1.5f);
-    rng.fill_int8(wq_b.flat());
-    rng.fill_uniform(wq_b_scale.flat(), 1e-4f, 3e-4f);
+        rope(td::make_rope_table(c, td::LayerKind::csa, 8200)) {
+    // Counter-based synthetic fills (fast, parallel-safe) at the weight statistics of the layer.
+    namespace sy = td::decode::synthetic;
+    const td::cpu::Context ctx{};
+    sy::fill_normal(ctx, x_n.flat(), sy::tensor_key(seed, 0, 1), 0.0f, 1.0f);
+    sy::fill_normal(ctx, wq_a.flat(), sy::tensor_key(seed, 0, 2), 0.0f, 1.0f / 64.0f);
+    sy::fill_normal(ctx, wkv.flat(), sy::tensor_key(seed, 0, 3), 0.0f, 1.0f / 64.0f);
+    sy::fill_normal(ctx, gamma_cq.flat(), sy::tensor_key(seed, 0, 4), 1.0f, 0.2f);
+    sy::fill_normal(ctx, gamma_ckv.flat(), sy::tensor_key(seed, 0, 5), 1.0f, 0.2f);
+    sy::fill_int8(ctx, wq_b.flat(), sy::tensor_key(seed, 0, 6));
+    sy::fill_scale(ctx, wq_b_scale.flat(), sy::tensor_key(seed, 0, 7), 2e-4f);
     const std::int32_t starts[4] = {8192, 0, 2, 3};
     for (index_t i = 0; i < T; ++i) pos.data()[i] = starts[(i / 2) % 4] + std::int32_t(i % 2);
   }

@@ -11,9 +11,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -49,7 +49,9 @@ using Bytes = std::vector<unsigned char>;
 
 namespace {
 
-bool lean() { return std::getenv("TILEDECODE_SANITIZE_LEAN") != nullptr; }
+bool lean() {
+  return std::getenv("TILEDECODE_SANITIZE_LEAN") != nullptr;
+}
 
 std::vector<td::cpu::Isa> isas() {
   std::vector<td::cpu::Isa> v{td::cpu::Isa::scalar};
@@ -263,8 +265,8 @@ TEST(Determinism, OutputProjection) {
   expect_thread_invariant([&](const td::cpu::Context& ctx) {
     td::Tensor<bf16, 2> out({T, D});
     std::vector<std::byte> ws(td::kernels::output_projection_workspace_bytes(cfg, T));
-    td::kernels::output_projection(ctx, cfg, out.view(), o_packed.view(), wo_a.view(),
-                                   wo_b.view(), wo_b_scale.view(), ws);
+    td::kernels::output_projection(ctx, cfg, out.view(), o_packed.view(), wo_a.view(), wo_b.view(),
+                                   wo_b_scale.view(), ws);
     return bytes_of(out);
   });
 }
@@ -287,8 +289,8 @@ TEST(Determinism, QkvProjectionAndRmsnorm) {
   rng.fill_int8(wq_b.flat());
   rng.fill_uniform(wq_b_scale.flat(), 1e-3f, 2e-3f);
   for (index_t t = 0; t < T; ++t) pos.view()(t) = std::int32_t(t * 2999 % cfg.max_seq_len);
-  const td::QkvWeights w{wq_a.view(), gamma_cq.view(), wq_b.view(),
-                         wq_b_scale.view(), wkv.view(), gamma_ckv.view()};
+  const td::QkvWeights w{wq_a.view(),       gamma_cq.view(), wq_b.view(),
+                         wq_b_scale.view(), wkv.view(),      gamma_ckv.view()};
   expect_thread_invariant([&](const td::cpu::Context& ctx) {
     td::Tensor<bf16, 2> xn({T, D}), kv({T, HD});
     td::kernels::rmsnorm(ctx, xn.view(), x.view(), norm_w.view(), cfg.rms_eps);
@@ -324,7 +326,8 @@ TEST(Determinism, HyperConnectionPreAndPost) {
     td::Tensor<float, 2> post({T, 4});
     td::Tensor<double, 2> mixes({T, td::kHcMixes});
     td::Tensor<float, 3> comb({T, 4, 4}), y({T, 4, D});
-    td::kernels::hc_pre(ctx, xm.view(), post.view(), comb.view(), x_hc.view(), w, mixes.view(), cfg);
+    td::kernels::hc_pre(ctx, xm.view(), post.view(), comb.view(), x_hc.view(), w, mixes.view(),
+                        cfg);
     td::kernels::hc_post(ctx, y.view(), attn.view(), x_hc.view(), post.view(), comb.view(), cfg);
     return concat({bytes_of(xm), bytes_of(post), bytes_of(comb), bytes_of(y)});
   });
@@ -349,17 +352,20 @@ TEST(Determinism, WholeLayerStepEveryFamily) {
   for (auto kind : {LayerKind::swa, LayerKind::csa, LayerKind::hca}) {
     SCOPED_TRACE(std::string(td::to_string(kind)));
     const tdtest::LayerSetup setup(cfg, kind, fx.pools, 2, 31, td::cpu::Context{});
-    expect_thread_invariant([&](const td::cpu::Context& ctx) {
-      td::decode::LayerCacheStorage caches = setup.caches;  // every run starts from the same pools
-      td::decode::Workspace ws(cfg, B, S, ctx.exec ? ctx.exec->concurrency() : 1);
-      td::Tensor<float, 3> x_out({T, 4, cfg.hidden});
-      const td::decode::Backend be{td::decode::BackendKind::cpu, ctx};
-      td::decode::layer_step(be, x_out.view(), x_hc.view(), setup.weights.view(), caches.view(), md,
-                             setup.rope.view(), ws, cfg);
-      return concat({bytes_of(x_out), bytes_of(caches.kv_cache), bytes_of(caches.cmp_kv),
-                     bytes_of(caches.state), bytes_of(caches.inner_state),
-                     bytes_of(caches.idx_kv_cache), bytes_of(caches.idx_kv_scale)});
-    }, {isas().back()}, 1);  // the per-kernel tests above cover both ISAs
+    expect_thread_invariant(
+        [&](const td::cpu::Context& ctx) {
+          td::decode::LayerCacheStorage caches =
+              setup.caches;  // every run starts from the same pools
+          td::decode::Workspace ws(cfg, B, S, ctx.exec ? ctx.exec->concurrency() : 1);
+          td::Tensor<float, 3> x_out({T, 4, cfg.hidden});
+          const td::decode::Backend be{td::decode::BackendKind::cpu, ctx};
+          td::decode::layer_step(be, x_out.view(), x_hc.view(), setup.weights.view(), caches.view(),
+                                 md, setup.rope.view(), ws, cfg);
+          return concat({bytes_of(x_out), bytes_of(caches.kv_cache), bytes_of(caches.cmp_kv),
+                         bytes_of(caches.state), bytes_of(caches.inner_state),
+                         bytes_of(caches.idx_kv_cache), bytes_of(caches.idx_kv_scale)});
+        },
+        {isas().back()}, 1);  // the per-kernel tests above cover both ISAs
   }
 }
 
@@ -368,7 +374,8 @@ TEST(Determinism, WholeLayerStepEveryFamily) {
 // Work of one engine thread on its own batch: sparse attention (all three families on the
 // shared read-only pools), a window gather, and a top-k over its own score rows.
 Bytes engine_step(const td::cpu::Context& ctx, int worker) {
-  const std::vector<std::int32_t> starts{std::int32_t(8000 + 61 * worker), std::int32_t(3 + 4 * worker)};
+  const std::vector<std::int32_t> starts{std::int32_t(8000 + 61 * worker),
+                                         std::int32_t(3 + 4 * worker)};
   Bytes out;
   for (auto kind : {LayerKind::swa, LayerKind::csa, LayerKind::hca}) {
     const SparseBatch batch(kind, starts, 2, 100 + std::uint64_t(worker));
@@ -398,7 +405,8 @@ TEST(Concurrency, DisjointBatchesFromSeveralThreadsEqualSequential) {
     SCOPED_TRACE(std::string(td::cpu::to_string(isa)));
     std::vector<Bytes> sequential(static_cast<std::size_t>(workers));
     std::vector<Bytes> concurrent(static_cast<std::size_t>(workers));
-    for (int w = 0; w < workers; ++w) sequential[w] = engine_step(td::cpu::Context{nullptr, isa}, w);
+    for (int w = 0; w < workers; ++w)
+      sequential[w] = engine_step(td::cpu::Context{nullptr, isa}, w);
     pools();  // build the shared tables before the threads start
     rope_table(LayerKind::swa);
     rope_table(LayerKind::csa);
@@ -425,7 +433,9 @@ TEST(Concurrency, OnePoolSharedBySeveralCallers) {
   for (int w = 0; w < workers; ++w) sequential[w] = engine_step(td::cpu::Context{nullptr, isa}, w);
   std::vector<std::thread> threads;
   for (int w = 0; w < workers; ++w)
-    threads.emplace_back([&, w] { concurrent[w] = engine_step(td::cpu::Context{&shared, isa}, w); });
+    threads.emplace_back([&, w] {
+      concurrent[w] = engine_step(td::cpu::Context{&shared, isa}, w);
+    });
   for (auto& t : threads) t.join();
   for (int w = 0; w < workers; ++w) EXPECT_TRUE(concurrent[w] == sequential[w]) << "worker " << w;
 }
@@ -453,8 +463,7 @@ td::Tensor<bf16, 2> sentinel_out(const SparseBatch& b) {
   return o;
 }
 bool untouched(const td::Tensor<bf16, 2>& o) {
-  return std::all_of(o.flat().begin(), o.flat().end(),
-                     [](bf16 v) { return v.bits == kSentinel; });
+  return std::all_of(o.flat().begin(), o.flat().end(), [](bf16 v) { return v.bits == kSentinel; });
 }
 
 TEST(Adversarial, SparseAttentionOutOfRangeWindowIdThrowsAndWritesNothing) {
@@ -525,9 +534,9 @@ TEST(Adversarial, SparseAttentionNaNInOneTokenStaysInThatToken) {
           for (index_t d = 0; d < 512; ++d)
             any_nan |= std::isnan(o.view()(g * T + t, hh * 512 + d).to_float());
           const bool poisoned = t == bad && g * hpg + hh == 4;
-          EXPECT_EQ(any_nan, poisoned) << td::cpu::to_string(isa) << ": token " << t << " head "
-                                       << g * hpg + hh << " o[0]="
-                                       << o.view()(g * T + t, hh * 512).to_float();
+          EXPECT_EQ(any_nan, poisoned)
+              << td::cpu::to_string(isa) << ": token " << t << " head " << g * hpg + hh
+              << " o[0]=" << o.view()(g * T + t, hh * 512).to_float();
         }
   }
 }
@@ -550,7 +559,7 @@ TEST(Adversarial, TopkNeverSelectsNaNAndFillsEverySlot) {
   td::Tensor<float, 2> score({3, n});
   td::Tensor<std::int32_t, 1> vlen({3});
   for (index_t j = 0; j < n; ++j) {
-    score.view()(0, j) = std::numeric_limits<float>::quiet_NaN();               // all NaN
+    score.view()(0, j) = std::numeric_limits<float>::quiet_NaN();                  // all NaN
     score.view()(1, j) = j % 2 ? std::numeric_limits<float>::quiet_NaN() : -0.0f;  // half NaN
     score.view()(2, j) = j == 7 ? INFINITY : (j == 8 ? -INFINITY : float(j % 4));
   }
@@ -592,22 +601,30 @@ TEST(Adversarial, TopkBadArgumentsThrowAndWriteNothing) {
   auto untouched_dst = [&] {
     return std::all_of(dst.flat().begin(), dst.flat().end(), [](auto v) { return v == 777; });
   };
-  expect_error_naming([&] {
-    td::kernels::topk_rows(td::cpu::Context{}, dst.view(), score.view(), vlen.view(), 8, 0);
-  }, {"valid_len[1]", "65"});
+  expect_error_naming(
+      [&] {
+        td::kernels::topk_rows(td::cpu::Context{}, dst.view(), score.view(), vlen.view(), 8, 0);
+      },
+      {"valid_len[1]", "65"});
   EXPECT_TRUE(untouched_dst());
   vlen.view()(1) = -1;
-  expect_error_naming([&] {
-    td::kernels::topk_rows(td::cpu::Context{}, dst.view(), score.view(), vlen.view(), 8, 0);
-  }, {"valid_len[1]", "-1"});
+  expect_error_naming(
+      [&] {
+        td::kernels::topk_rows(td::cpu::Context{}, dst.view(), score.view(), vlen.view(), 8, 0);
+      },
+      {"valid_len[1]", "-1"});
   vlen.view()(1) = 3;
-  expect_error_naming([&] {
-    td::kernels::topk_rows(td::cpu::Context{}, dst.view(), score.view(), vlen.view(), 65, 0);
-  }, {"'k'", "65"});
-  expect_error_naming([&] {
-    td::kernels::topk_rows(td::cpu::Context{}, dst.view(), score.view(), vlen.view(), 8,
-                           std::numeric_limits<std::int32_t>::max() - 10);
-  }, {"offset"});
+  expect_error_naming(
+      [&] {
+        td::kernels::topk_rows(td::cpu::Context{}, dst.view(), score.view(), vlen.view(), 65, 0);
+      },
+      {"'k'", "65"});
+  expect_error_naming(
+      [&] {
+        td::kernels::topk_rows(td::cpu::Context{}, dst.view(), score.view(), vlen.view(), 8,
+                               std::numeric_limits<std::int32_t>::max() - 10);
+      },
+      {"offset"});
   EXPECT_TRUE(untouched_dst());
 }
 
@@ -624,8 +641,9 @@ TEST(Adversarial, CacheWriteRejectsBadSlotsAndWritesNothing) {
     slots.view()(1) = -1;
     slots.view()(2) = v;
     slots.view()(3) = 5;
-    expect_error_naming([&] { td::paged::write_cache<bf16>(pool.view(), rows.view(), slots.view()); },
-                        {"slot_mapping[2]", std::to_string(v)});
+    expect_error_naming(
+        [&] { td::paged::write_cache<bf16>(pool.view(), rows.view(), slots.view()); },
+        {"slot_mapping[2]", std::to_string(v)});
     EXPECT_TRUE(bytes_of(pool) == before) << "pool modified by a rejected write (slot " << v << ")";
   }
   // -1 skips: only rows 0 and 3 land.
@@ -651,10 +669,13 @@ TEST(Adversarial, MetadataRejectsOutOfRangeIdsNamingThem) {
   table.view()(1, 1) = 64;  // pool has 64 blocks: 64 is one past the end
   td::Tensor<std::int64_t, 1> slots({4});
   for (auto& v : slots.flat()) v = 42;
-  expect_error_naming([&] {
-    td::paged::build_ori_slot_mapping(slots.view(), pos.view(), table.view(), 64, sh, cfg);
-  }, {"block_table[1,1]", "64"});
-  EXPECT_TRUE(std::all_of(slots.flat().begin(), slots.flat().end(), [](auto v) { return v == 42; }));
+  expect_error_naming(
+      [&] {
+        td::paged::build_ori_slot_mapping(slots.view(), pos.view(), table.view(), 64, sh, cfg);
+      },
+      {"block_table[1,1]", "64"});
+  EXPECT_TRUE(
+      std::all_of(slots.flat().begin(), slots.flat().end(), [](auto v) { return v == 42; }));
   table.view()(1, 1) = -1;  // unmapped → -1 slots, not an error
   td::paged::build_ori_slot_mapping(slots.view(), pos.view(), table.view(), 64, sh, cfg);
   for (auto v : slots.flat()) EXPECT_EQ(v, -1);
@@ -701,7 +722,9 @@ TEST(Reliability, DISABLED_ValidationCost) {
   const auto w = L.weights.view();
   const auto c = L.caches.view();
   const auto rope = L.rope.view();
-  auto step = [&] { td::decode::layer_step(be, x_out.view(), x_hc.view(), w, c, md, rope, ws, cfg); };
+  auto step = [&] {
+    td::decode::layer_step(be, x_out.view(), x_hc.view(), w, c, md, rope, ws, cfg);
+  };
   step();
   const double t_step = median_seconds(7, step);
 
@@ -717,21 +740,32 @@ TEST(Reliability, DISABLED_ValidationCost) {
     report(name, sec);
   };
   add("decode::layer_step own checks", median_seconds(reps, [&] {
-        td::decode::detail::validate_layer("layer_step", be, x_out.view(), x_hc.view(), w, c, md, ws, cfg);
+        td::decode::detail::validate_layer("layer_step", be, x_out.view(), x_hc.view(), w, c, md,
+                                           ws, cfg);
       }));
   auto v = ws.views(B, S);
-  const td::kernels::sparse_attention_detail::Args args{
-      &cfg, LayerKind::csa, v.o_packed, v.q, c.kv_cache, c.cmp_kv, md.window_indices(),
-      md.window_lens(), v.topk_idxs, md.tables().cmp_block_table, md.position_ids(),
-      md.kv_seq_lens(), S, w.attn_sink, rope};
+  const td::kernels::sparse_attention_detail::Args args{&cfg,
+                                                        LayerKind::csa,
+                                                        v.o_packed,
+                                                        v.q,
+                                                        c.kv_cache,
+                                                        c.cmp_kv,
+                                                        md.window_indices(),
+                                                        md.window_lens(),
+                                                        v.topk_idxs,
+                                                        md.tables().cmp_block_table,
+                                                        md.position_ids(),
+                                                        md.kv_seq_lens(),
+                                                        S,
+                                                        w.attn_sink,
+                                                        rope};
   const td::kernels::sparse_attention_detail::SlotLayout lay(cfg.head_dim);
   add("sparse_attention validate", median_seconds(reps, [&] {
         td::kernels::sparse_attention_detail::validate(args, v.attn_ws.size() - 64, lay.bytes());
       }));
   const auto pos = md.position_ids();
-  const td::kernels::CompressorMetadata main_meta{sh, pos, md.csa_state_slot_mapping(),
-                                                  md.csa_cmp_slot_mapping(),
-                                                  md.tables().csa_state_table};
+  const td::kernels::CompressorMetadata main_meta{
+      sh, pos, md.csa_state_slot_mapping(), md.csa_cmp_slot_mapping(), md.tables().csa_state_table};
   const td::kernels::CompressorMetadata inner_meta{sh, pos, md.csa_inner_state_slot_mapping(),
                                                    md.csa_idx_slot_mapping(),
                                                    md.tables().csa_inner_state_table};
@@ -763,10 +797,12 @@ TEST(Reliability, DISABLED_ValidationCost) {
       }));
   std::printf("  total validation (bound) per CSA layer: %.2f us = %.4f %% of the layer step\n",
               t_val * 1e6, 100 * t_val / t_step);
-  const double t_md = median_seconds(reps, [&] { md.build(starts, sh, fx.tables(), fx.pools, cfg); });
-  std::printf("  StepMetadata::build (validate + fill, once per step for all layers): %.2f us = "
-              "%.4f %% of one layer step, %.5f %% of a 43-layer step\n",
-              t_md * 1e6, 100 * t_md / t_step, 100 * t_md / (43 * t_step));
+  const double t_md =
+      median_seconds(reps, [&] { md.build(starts, sh, fx.tables(), fx.pools, cfg); });
+  std::printf(
+      "  StepMetadata::build (validate + fill, once per step for all layers): %.2f us = "
+      "%.4f %% of one layer step, %.5f %% of a 43-layer step\n",
+      t_md * 1e6, 100 * t_md / t_step, 100 * t_md / (43 * t_step));
   md.build(starts, sh, fx.tables(), fx.pools, cfg);
   step();  // the timed calls above only validated or wrote tails: the layer still runs cleanly
 }

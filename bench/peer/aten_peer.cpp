@@ -66,7 +66,8 @@ AT wrap(const td::View<T, R>& v) {
   using U = std::remove_const_t<T>;
   std::vector<int64_t> sizes(v.shape().begin(), v.shape().end());
   std::vector<int64_t> strides(v.strides().begin(), v.strides().end());
-  return at::from_blob(const_cast<U*>(v.data()), sizes, strides, at::TensorOptions().dtype(dtype_of<U>()));
+  return at::from_blob(const_cast<U*>(v.data()), sizes, strides,
+                       at::TensorOptions().dtype(dtype_of<U>()));
 }
 
 std::vector<float> to_vec(const AT& t) {
@@ -108,7 +109,9 @@ std::pair<AT, AT> q8(const AT& x) {
   return {(x * sq).round().clamp(-127, 127), sq.reciprocal()};
 }
 
-AT rmsnorm(const AT& x, double eps) { return x * at::rsqrt(x.pow(2).mean(-1, true) + eps); }
+AT rmsnorm(const AT& x, double eps) {
+  return x * at::rsqrt(x.pow(2).mean(-1, true) + eps);
+}
 
 // ---- kernel cores (shared by the per-kernel peers and the layer) ---------------------------
 
@@ -119,8 +122,9 @@ void indexer_core(AT& score, AT& topk, const AT& q, const AT& q_sc, const AT& w,
                   int64_t L, int64_t K) {
   const int64_t B = q.size(0), IH = w.size(1), ID = q.size(2), T = B * S;
   const AT b_of_t = at::arange(T, at::kLong).div(S, "floor");
-  const AT vis = at::minimum(at::minimum(lens.index_select(0, b_of_t).div(4, "floor"), (pos + 1).div(4, "floor")),
-                             at::full({T}, L, at::kLong));
+  const AT vis = at::minimum(
+      at::minimum(lens.index_select(0, b_of_t).div(4, "floor"), (pos + 1).div(4, "floor")),
+      at::full({T}, L, at::kLong));
   const int64_t vmax = vis.max().item<int64_t>();
   score.fill_(kNegBig);
   topk.fill_(-1);
@@ -161,25 +165,29 @@ void attention_core(AT& out, const td::ModelConfig& cfg, int ratio, const AT& q,
     } else {
       const int64_t cap = cfg.hca_capacity();
       raw = at::arange(cap, at::kLong).unsqueeze(0).expand({T, cap});
-      const AT n = at::minimum(at::minimum((pos + 1).div(128, "floor"), lens.index_select(0, b_of_t).div(128, "floor")),
-                               at::full({T}, cap, at::kLong));
+      const AT n = at::minimum(
+          at::minimum((pos + 1).div(128, "floor"), lens.index_select(0, b_of_t).div(128, "floor")),
+          at::full({T}, cap, at::kLong));
       cvalid = raw < n.unsqueeze(1);
     }
     const AT rc = at::where(cvalid, raw, at::zeros({}, at::kLong));
-    const AT slot = cmp_table.index_select(0, b_of_t).gather(1, rc.div(128, "floor")) * 128 + rc.remainder(128);
+    const AT slot =
+        cmp_table.index_select(0, b_of_t).gather(1, rc.div(128, "floor")) * 128 + rc.remainder(128);
     kv = at::cat({kv, cmp.index_select(0, slot.view(-1)).view({T, raw.size(1), HD})}, 1);
     valid = at::cat({wvalid, cvalid}, 1);
   }
   const int64_t C = kv.size(1);
-  const AT kf = kv.to(at::kFloat);                         // (T, C, 512)
-  AT s = at::bmm(q.to(at::kFloat), kf.transpose(1, 2));   // (T, H, C)
+  const AT kf = kv.to(at::kFloat);                       // (T, C, 512)
+  AT s = at::bmm(q.to(at::kFloat), kf.transpose(1, 2));  // (T, H, C)
   s.mul_(cfg.softmax_scale()).masked_fill_(valid.logical_not().unsqueeze(1), -1e20);
   // The sink is one more logit that takes softmax mass but has no value row.
   s = at::cat({s, sink.view({1, H, 1}).expand({T, H, 1})}, 2);
   const AT p = at::softmax(s, 2).narrow(2, 0, C);
   AT o = at::bmm(p, kf);  // (T, H, 512)
-  const AT c = rope.cos.index_select(0, pos).unsqueeze(1), sn = rope.sin.index_select(0, pos).unsqueeze(1);
-  o = at::cat({o.narrow(2, 0, NOPE), rope64(o.narrow(2, NOPE, HD - NOPE), c, sn, false)}, 2).to(at::kBFloat16);
+  const AT c = rope.cos.index_select(0, pos).unsqueeze(1),
+           sn = rope.sin.index_select(0, pos).unsqueeze(1);
+  o = at::cat({o.narrow(2, 0, NOPE), rope64(o.narrow(2, NOPE, HD - NOPE), c, sn, false)}, 2)
+          .to(at::kBFloat16);
   out.view({G, T, H / G * HD}).copy_(o.view({T, G, H / G * HD}).transpose(0, 1));
 }
 
@@ -200,8 +208,8 @@ struct CompW {
 
 // Compressor step up to the emitted rows: projections, state write, pooling, RMSNorm, RoPE.
 // Returns (destination slots, y [nb, HD]); nb may be 0.
-std::pair<AT, AT> compressor_core(const CompW& w, const AT& x, const AT& pos, int64_t S,
-                                  AT& states, const AT& st_table, const AT& st_slots, int64_t SB,
+std::pair<AT, AT> compressor_core(const CompW& w, const AT& x, const AT& pos, int64_t S, AT& states,
+                                  const AT& st_table, const AT& st_slots, int64_t SB,
                                   const AT& cmp_slots, const Rope& rope, double eps) {
   const int64_t R = w.R, HD = w.HD, OUT = w.OUT;
   const bool overlap = OUT == 2 * HD;
@@ -219,11 +227,13 @@ std::pair<AT, AT> compressor_core(const CompW& w, const AT& x, const AT& pos, in
   const AT pvalid = p >= 0;
   const AT pc = p.clamp_min(0);
   const AT blk = st_table.index_select(0, bsel.div(S, "floor")).gather(1, pc.div(SB, "floor"));
-  const AT win = states.index_select(0, (blk * SB + pc.remainder(SB)).view(-1)).view({nb, L, 2 * OUT});
+  const AT win =
+      states.index_select(0, (blk * SB + pc.remainder(SB)).view(-1)).view({nb, L, 2 * OUT});
   AT ckv, cg;
   if (overlap) {  // previous window's front halves, current window's back halves
     ckv = at::cat({win.narrow(1, 0, R).narrow(2, 0, HD), win.narrow(1, R, R).narrow(2, HD, HD)}, 1);
-    cg = at::cat({win.narrow(1, 0, R).narrow(2, OUT, HD), win.narrow(1, R, R).narrow(2, OUT + HD, HD)}, 1);
+    cg = at::cat(
+        {win.narrow(1, 0, R).narrow(2, OUT, HD), win.narrow(1, R, R).narrow(2, OUT + HD, HD)}, 1);
   } else {
     ckv = win.narrow(2, 0, HD);
     cg = win.narrow(2, OUT, HD).clone();
@@ -232,9 +242,10 @@ std::pair<AT, AT> compressor_core(const CompW& w, const AT& x, const AT& pos, in
   const AT pooled = (at::softmax(cg, 1) * ckv).sum(1);  // (nb, HD)
   AT y = rmsnorm(pooled, eps) * w.norm_w;
   const AT cp = c * R;
-  y = at::cat({y.narrow(1, 0, HD - 64), rope64(y.narrow(1, HD - 64, 64), rope.cos.index_select(0, cp),
-                                                 rope.sin.index_select(0, cp), true)},
-              1);
+  y = at::cat(
+      {y.narrow(1, 0, HD - 64), rope64(y.narrow(1, HD - 64, 64), rope.cos.index_select(0, cp),
+                                       rope.sin.index_select(0, cp), true)},
+      1);
   return {cmp_slots.index_select(0, bsel), y};
 }
 
@@ -246,8 +257,10 @@ void store_inner(AT& idx_kv, AT& idx_sc, const AT& dst, const AT& y, const AT& h
   idx_sc.index_copy_(0, dst, dq.view(-1));
 }
 
-CompW comp_weights(const AT& wkv, const AT& wg, const AT& ape, const AT& norm_w, int64_t R, int64_t HD) {
-  return {wkv.to(at::kFloat), wg.to(at::kFloat), ape.to(at::kFloat), norm_w.to(at::kFloat), R, HD, wkv.size(0)};
+CompW comp_weights(const AT& wkv, const AT& wg, const AT& ape, const AT& norm_w, int64_t R,
+                   int64_t HD) {
+  return {wkv.to(at::kFloat), wg.to(at::kFloat), ape.to(at::kFloat), norm_w.to(at::kFloat), R, HD,
+          wkv.size(0)};
 }
 
 }  // namespace
@@ -260,7 +273,8 @@ void peer_set_threads(int aten_threads, int blas_threads) {
   cur_blas = blas_threads;
   // ATen does not forward its thread count to OpenBLAS's own pthread pool.
   using SetFn = void (*)(int);
-  if (auto f = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(blas_threads);
+  if (auto f = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
+    f(blas_threads);
 }
 
 std::string peer_version() {
@@ -292,7 +306,8 @@ std::string peer_blas_info() {
 
 PeerKernel make_peer_indexer(const Weights& w, Case& cs) {
   const auto& cfg = w.cfg;
-  const int64_t T = cs.tokens(), B = cs.batch, S = cs.seq, IH = cfg.idx_n_heads, ID = cfg.idx_head_dim;
+  const int64_t T = cs.tokens(), B = cs.batch, S = cs.seq, IH = cfg.idx_n_heads,
+                ID = cfg.idx_head_dim;
   const AT q_i8 = wrap(cs.q_i8), q_sc = wrap(cs.q_sc), wts = wrap(cs.w);
   const AT idx_kv = wrap(cs.idx_kv), idx_sc = wrap(cs.idx_sc);
   const AT table = wrap(cs.idx_table).to(at::kLong);
@@ -302,8 +317,8 @@ PeerKernel make_peer_indexer(const Weights& w, Case& cs) {
   const int64_t L = cfg.score_len(), K = cfg.idx_topk;
   PeerKernel k;
   k.run = [=] {
-    indexer_core(*score, *topk, q_i8.view({B, S * IH, ID}).to(at::kFloat), q_sc, wts, idx_kv, idx_sc,
-                 table, pos, lens, S, L, K);
+    indexer_core(*score, *topk, q_i8.view({B, S * IH, ID}).to(at::kFloat), q_sc, wts, idx_kv,
+                 idx_sc, table, pos, lens, S, L, K);
   };
   k.output = [score] { return to_vec(*score); };
   return k;
@@ -320,7 +335,9 @@ PeerKernel make_peer_attention(const Weights& w, Case& cs, int ratio) {
   const Rope rope = make_rope(ratio == 0 ? w.rope_swa : w.rope_csa);
   auto out = std::make_shared<AT>(at::empty({cfg.o_groups * T, cfg.o_group_in()}, at::kBFloat16));
   PeerKernel k;
-  k.run = [=, &cfg] { attention_core(*out, cfg, ratio, q, ori, cmp, win, topk, cmp_table, pos, lens, S, sink, rope); };
+  k.run = [=, &cfg] {
+    attention_core(*out, cfg, ratio, q, ori, cmp, win, topk, cmp_table, pos, lens, S, sink, rope);
+  };
   k.output = [out] { return to_vec(*out); };
   return k;
 }
@@ -342,7 +359,8 @@ PeerKernel make_peer_oproj(const Weights& w, Case& cs, WeightMode mode) {
     if (mode == WeightMode::fp32_copy) {
       oproj_core(*out, x, wa_f, wb_f, scale);
     } else {
-      oproj_core(*out, x, wa_raw.to(at::kFloat), wb_raw.to(at::kFloat).view({D, G, OL}).permute({1, 2, 0}), scale);
+      oproj_core(*out, x, wa_raw.to(at::kFloat),
+                 wb_raw.to(at::kFloat).view({D, G, OL}).permute({1, 2, 0}), scale);
     }
   };
   k.output = [out] { return to_vec(*out); };
@@ -355,12 +373,15 @@ PeerKernel make_peer_compressor(const Weights& w, Case& cs, int which, WeightMod
   StatePool& sp = which == 4 ? cs.s4 : (which == 128 ? cs.s128 : cs.sinner);
   const int64_t S = cs.seq, SB = sp.page;
   const AT x_n = wrap(cs.x_n);
-  const AT wkv_raw = wrap(cw.wkv), wg_raw = wrap(cw.wgate), ape = wrap(cw.ape), norm_w = wrap(cw.norm_w);
+  const AT wkv_raw = wrap(cw.wkv), wg_raw = wrap(cw.wgate), ape = wrap(cw.ape),
+           norm_w = wrap(cw.norm_w);
   CompW cwf;
-  if (mode == WeightMode::fp32_copy) cwf = comp_weights(wkv_raw, wg_raw, ape, norm_w, cw.ratio, cw.head_dim);
+  if (mode == WeightMode::fp32_copy)
+    cwf = comp_weights(wkv_raw, wg_raw, ape, norm_w, cw.ratio, cw.head_dim);
   AT states = wrap(sp.rows);
   const AT st_table = wrap(sp.table).to(at::kLong), st_slots = wrap(sp.slots);
-  const AT cmp_slots = wrap(which == 4 ? cs.c4_cmp_slots : (which == 128 ? cs.c128_cmp_slots : cs.idx_slots));
+  const AT cmp_slots =
+      wrap(which == 4 ? cs.c4_cmp_slots : (which == 128 ? cs.c128_cmp_slots : cs.idx_slots));
   const AT pos = wrap(cs.positions).to(at::kLong);
   const Rope rope = make_rope(w.rope_csa);
   const AT had = wrap(w.hadamard).to(at::kFloat);
@@ -368,7 +389,9 @@ PeerKernel make_peer_compressor(const Weights& w, Case& cs, int which, WeightMod
   const double eps = cfg.rms_eps;
   PeerKernel k;
   k.run = [=]() mutable {
-    const CompW cur = mode == WeightMode::fp32_copy ? cwf : comp_weights(wkv_raw, wg_raw, ape, norm_w, cw.ratio, cw.head_dim);
+    const CompW cur = mode == WeightMode::fp32_copy
+                          ? cwf
+                          : comp_weights(wkv_raw, wg_raw, ape, norm_w, cw.ratio, cw.head_dim);
     auto [dst, y] = compressor_core(cur, x_n.to(at::kFloat), pos, S, states, st_table, st_slots, SB,
                                     cmp_slots, rope, eps);
     if (!dst.defined()) return;
@@ -381,7 +404,8 @@ PeerKernel make_peer_compressor(const Weights& w, Case& cs, int which, WeightMod
   k.output = [=] {
     const AT dst = cmp_slots.index_select(0, at::nonzero(cmp_slots >= 0).squeeze(1));
     if (which != 0) return to_vec(cmp.index_select(0, dst));
-    return to_vec(idx_kv.index_select(0, dst).to(at::kFloat) * idx_sc.index_select(0, dst).unsqueeze(1));
+    return to_vec(idx_kv.index_select(0, dst).to(at::kFloat) *
+                  idx_sc.index_select(0, dst).unsqueeze(1));
   };
   return k;
 }
@@ -421,9 +445,10 @@ PeerKernel make_peer_layer(const LayerModel& m, LayerCase& lc, WeightMode mode) 
     l.wo_b = wrap(W.wo_b).to(at::kFloat).view({Dc, Gc, OLc}).permute({1, 2, 0});
     l.wo_b_scale = wrap(W.wo_b_scale);
     l.sink = wrap(W.attn_sink);
-    l.c4 = comp_weights(wrap(W.cmp_wkv), wrap(W.cmp_wgate), wrap(W.cmp_ape), wrap(W.cmp_norm_w), 4, W.cmp_norm_w.extent(0));
-    l.inner = comp_weights(wrap(W.inner_wkv), wrap(W.inner_wgate), wrap(W.inner_ape), wrap(W.inner_norm_w), 4,
-                           W.inner_norm_w.extent(0));
+    l.c4 = comp_weights(wrap(W.cmp_wkv), wrap(W.cmp_wgate), wrap(W.cmp_ape), wrap(W.cmp_norm_w), 4,
+                        W.cmp_norm_w.extent(0));
+    l.inner = comp_weights(wrap(W.inner_wkv), wrap(W.inner_wgate), wrap(W.inner_ape),
+                           wrap(W.inner_norm_w), 4, W.inner_norm_w.extent(0));
     return l;
   };
   LW fixed;
@@ -434,14 +459,19 @@ PeerKernel make_peer_layer(const LayerModel& m, LayerCase& lc, WeightMode mode) 
   // Pools and metadata.
   auto& C = lc.caches;
   AT kv_cache = wrap(C.kv_cache), cmp_kv = wrap(C.cmp_kv), state = wrap(C.state);
-  AT inner_state = wrap(C.inner_state), idx_kv = wrap(C.idx_kv_cache), idx_sc = wrap(C.idx_kv_scale);
+  AT inner_state = wrap(C.inner_state), idx_kv = wrap(C.idx_kv_cache),
+     idx_sc = wrap(C.idx_kv_scale);
   const AT pos = wrap(md.position_ids()).to(at::kLong), lens = wrap(md.kv_seq_lens()).to(at::kLong);
   const AT ori_slots = wrap(md.ori_slot_mapping()), win = wrap(md.window_indices()).to(at::kLong);
-  const AT csa_cmp_slots = wrap(md.csa_cmp_slot_mapping()), idx_slots = wrap(md.csa_idx_slot_mapping());
-  const AT st_slots = wrap(md.csa_state_slot_mapping()), inner_slots = wrap(md.csa_inner_state_slot_mapping());
+  const AT csa_cmp_slots = wrap(md.csa_cmp_slot_mapping()),
+           idx_slots = wrap(md.csa_idx_slot_mapping());
+  const AT st_slots = wrap(md.csa_state_slot_mapping()),
+           inner_slots = wrap(md.csa_inner_state_slot_mapping());
   const auto& tb = md.tables();
-  const AT cmp_table = wrap(tb.cmp_block_table).to(at::kLong), idx_table = wrap(tb.idx_block_table).to(at::kLong);
-  const AT st_table = wrap(tb.csa_state_table).to(at::kLong), inner_table = wrap(tb.csa_inner_state_table).to(at::kLong);
+  const AT cmp_table = wrap(tb.cmp_block_table).to(at::kLong),
+           idx_table = wrap(tb.idx_block_table).to(at::kLong);
+  const AT st_table = wrap(tb.csa_state_table).to(at::kLong),
+           inner_table = wrap(tb.csa_inner_state_table).to(at::kLong);
   const int64_t SB = cfg.c4_state_page;
   const Rope rope = make_rope(m.rope);
   const AT x_hc = wrap(lc.x_hc);
@@ -459,16 +489,20 @@ PeerKernel make_peer_layer(const LayerModel& m, LayerCase& lc, WeightMode mode) 
     // reference; 24 × 4D per token, negligible).
     const AT xd = x_hc.to(at::kDouble);
     const AT flat = xd.view({T, 4 * D});
-    const AT mix = at::mm(flat, l.hc_fn.to(at::kDouble).t()) * at::rsqrt(flat.pow(2).mean(1, true) + eps);
+    const AT mix =
+        at::mm(flat, l.hc_fn.to(at::kDouble).t()) * at::rsqrt(flat.pow(2).mean(1, true) + eps);
     const AT sc = l.hc_scale.to(at::kDouble), base = l.hc_base.to(at::kDouble);
     const AT pre = at::sigmoid(mix.narrow(1, 0, 4) * sc[0] + base.narrow(0, 0, 4)) + 1e-6;
     const AT post = 2.0 * at::sigmoid(mix.narrow(1, 4, 4) * sc[1] + base.narrow(0, 4, 4));
-    AT comb = at::softmax((mix.narrow(1, 8, 16) * sc[2] + base.narrow(0, 8, 16)).view({T, 4, 4}), 2) + 1e-6;
+    AT comb =
+        at::softmax((mix.narrow(1, 8, 16) * sc[2] + base.narrow(0, 8, 16)).view({T, 4, 4}), 2) +
+        1e-6;
     for (int it = 0; it < 20; ++it) {
       if (it > 0) comb = comb / (comb.sum(2, true) + 1e-6);
       comb = comb / (comb.sum(1, true) + 1e-6);
     }
-    const AT x_mixed = (pre.unsqueeze(2) * xd).sum(1).to(at::kFloat).to(at::kBFloat16).to(at::kFloat);
+    const AT x_mixed =
+        (pre.unsqueeze(2) * xd).sum(1).to(at::kFloat).to(at::kBFloat16).to(at::kFloat);
     // RMSNorm → x_n (BF16).
     const AT x_n = (rmsnorm(x_mixed, eps) * l.attn_norm).to(at::kBFloat16).to(at::kFloat);
     // q / kv projections.
@@ -477,31 +511,41 @@ PeerKernel make_peer_layer(const LayerModel& m, LayerCase& lc, WeightMode mode) 
     AT qf = (at::mm(qr, l.wq_b) * qr_scale * l.wq_b_scale).view({T, H, HD});
     qf = rmsnorm(qf, eps);
     const AT cs_ = rope.cos.index_select(0, pos), sn_ = rope.sin.index_select(0, pos);
-    const AT q = at::cat({qf.narrow(2, 0, NOPE), rope64(qf.narrow(2, NOPE, HD - NOPE), cs_.unsqueeze(1), sn_.unsqueeze(1), true)}, 2)
+    const AT q = at::cat({qf.narrow(2, 0, NOPE), rope64(qf.narrow(2, NOPE, HD - NOPE),
+                                                        cs_.unsqueeze(1), sn_.unsqueeze(1), true)},
+                         2)
                      .to(at::kBFloat16);
     AT kvf = rmsnorm(at::mm(x_n, l.wkv), eps) * l.gamma_ckv;
-    const AT kv = at::cat({kvf.narrow(1, 0, NOPE), rope64(kvf.narrow(1, NOPE, HD - NOPE), cs_, sn_, true)}, 1).to(at::kBFloat16);
+    const AT kv =
+        at::cat({kvf.narrow(1, 0, NOPE), rope64(kvf.narrow(1, NOPE, HD - NOPE), cs_, sn_, true)}, 1)
+            .to(at::kBFloat16);
     const AT osel = at::nonzero(ori_slots >= 0).squeeze(1);
     kv_cache.index_copy_(0, ori_slots.index_select(0, osel), kv.index_select(0, osel));
     // Compressors (CSA main → cmp_kv; inner → index cache).
     {
-      auto [dst, y] = compressor_core(l.c4, x_n, pos, S, state, st_table, st_slots, SB, csa_cmp_slots, rope, eps);
+      auto [dst, y] = compressor_core(l.c4, x_n, pos, S, state, st_table, st_slots, SB,
+                                      csa_cmp_slots, rope, eps);
       if (dst.defined()) cmp_kv.index_copy_(0, dst, y.to(at::kBFloat16));
     }
     {
-      auto [dst, y] = compressor_core(l.inner, x_n, pos, S, inner_state, inner_table, inner_slots, SB, idx_slots, rope, eps);
+      auto [dst, y] = compressor_core(l.inner, x_n, pos, S, inner_state, inner_table, inner_slots,
+                                      SB, idx_slots, rope, eps);
       if (dst.defined()) store_inner(idx_kv, idx_sc, dst, y, l.had);
     }
     // Indexer query path and weights (RoPE at pos_t: the library's default rule).
     AT qi = (at::mm(qr, l.idx_wq_b) * qr_scale * l.idx_wq_b_scale).view({T, IH, ID});
-    qi = at::cat({qi.narrow(2, 0, ID - 64), rope64(qi.narrow(2, ID - 64, 64), cs_.unsqueeze(1), sn_.unsqueeze(1), true)}, 2)
+    qi = at::cat({qi.narrow(2, 0, ID - 64),
+                  rope64(qi.narrow(2, ID - 64, 64), cs_.unsqueeze(1), sn_.unsqueeze(1), true)},
+                 2)
              .to(at::kBFloat16)
              .to(at::kFloat);
     auto [qi8, qsc] = q8(at::matmul(qi, l.had));  // (T, IH, ID), (T, IH, 1)
     const AT wts = at::mm(x_n, l.weights_proj) * iw_scale;
-    indexer_core(*score, *topk, qi8.view({B, S * IH, ID}), qsc.view(-1), wts, idx_kv, idx_sc, idx_table, pos, lens, S, L, K);
+    indexer_core(*score, *topk, qi8.view({B, S * IH, ID}), qsc.view(-1), wts, idx_kv, idx_sc,
+                 idx_table, pos, lens, S, L, K);
     // Sparse attention, output projection, hc_post.
-    attention_core(*o_packed, cfg, 4, q, kv_cache, cmp_kv, win, *topk, cmp_table, pos, lens, S, l.sink, rope);
+    attention_core(*o_packed, cfg, 4, q, kv_cache, cmp_kv, win, *topk, cmp_table, pos, lens, S,
+                   l.sink, rope);
     oproj_core(*attn_out, o_packed->view({G, T, cfg.o_group_in()}), l.wo_a, l.wo_b, l.wo_b_scale);
     (void)OL;
     (void)QL;

@@ -42,8 +42,8 @@ using tiledecode::Tensor;
 // One compressor's weights (spec §6): projections stored [OUT_DIM, D] (used as x @ W^T).
 struct CompressorWeights {
   int ratio = 4;
-  int head_dim = 512;  // pooled row width (512 main, 128 inner)
-  int out_dim = 1024;  // 2*head_dim for overlapping ratio 4, head_dim for ratio 128
+  int head_dim = 512;          // pooled row width (512 main, 128 inner)
+  int out_dim = 1024;          // 2*head_dim for overlapping ratio 4, head_dim for ratio 128
   Tensor<bf16, 2> wkv, wgate;  // (out_dim, D)
   Tensor<float, 2> ape;        // (ratio, out_dim)
   Tensor<bf16, 1> norm_w;      // (head_dim)
@@ -64,11 +64,11 @@ struct Weights {
 
 // A compressor's state pool and its metadata for one point.
 struct StatePool {
-  int page = 4;                      // rows per state page (4 ratio-4, 8 ratio-128)
-  index_t blocks = 0;                // physical pages
-  Tensor<float, 2> rows;             // (blocks*page, 2*out_dim)  [kv | score]
-  Tensor<std::int32_t, 2> table;     // (B, max_seq_len/page)
-  Tensor<std::int64_t, 1> slots;     // (T) state slot of every token
+  int page = 4;                   // rows per state page (4 ratio-4, 8 ratio-128)
+  index_t blocks = 0;             // physical pages
+  Tensor<float, 2> rows;          // (blocks*page, 2*out_dim)  [kv | score]
+  Tensor<std::int32_t, 2> table;  // (B, max_seq_len/page)
+  Tensor<std::int64_t, 1> slots;  // (T) state slot of every token
 };
 
 struct Case {
@@ -79,34 +79,34 @@ struct Case {
   Tensor<std::int32_t, 1> kv_seq_lens;  // (B)
 
   // --- indexer (spec §7.2): quantised queries, head weights, INT8 index cache
-  Tensor<std::int8_t, 2> q_i8;          // (T*64, 128), row t*64 + h
-  Tensor<float, 1> q_sc;                // (T*64)
-  Tensor<float, 2> w;                   // (T, 64)
+  Tensor<std::int8_t, 2> q_i8;  // (T*64, 128), row t*64 + h
+  Tensor<float, 1> q_sc;        // (T*64)
+  Tensor<float, 2> w;           // (T, 64)
   index_t idx_blocks = 0;
-  Tensor<std::int8_t, 2> idx_kv;        // (idx_blocks*128, 128)
-  Tensor<float, 1> idx_sc;              // (idx_blocks*128)
-  Tensor<std::int32_t, 2> idx_table;    // (B, 64)
-  Tensor<std::int64_t, 1> idx_slots;    // (T) index-cache slot of a ratio-4 boundary token
+  Tensor<std::int8_t, 2> idx_kv;      // (idx_blocks*128, 128)
+  Tensor<float, 1> idx_sc;            // (idx_blocks*128)
+  Tensor<std::int32_t, 2> idx_table;  // (B, 64)
+  Tensor<std::int64_t, 1> idx_slots;  // (T) index-cache slot of a ratio-4 boundary token
 
   // --- sparse attention (spec §8.1)
-  Tensor<bf16, 3> q;                    // (T, H, 512)
+  Tensor<bf16, 3> q;  // (T, H, 512)
   index_t ori_blocks = 0;
-  Tensor<bf16, 2> ori_kv;               // (ori_blocks*128, 512)
-  Tensor<std::int32_t, 2> ori_table;    // (B, 128)
-  Tensor<std::int32_t, 2> win_idx;      // (T, 128) physical ori rows, -1 invalid
-  Tensor<std::int32_t, 1> win_lens;     // (T)
+  Tensor<bf16, 2> ori_kv;             // (ori_blocks*128, 512)
+  Tensor<std::int32_t, 2> ori_table;  // (B, 128)
+  Tensor<std::int32_t, 2> win_idx;    // (T, 128) physical ori rows, -1 invalid
+  Tensor<std::int32_t, 1> win_lens;   // (T)
   index_t cmp_blocks = 0;
-  Tensor<bf16, 2> cmp_kv;               // (cmp_blocks*128, 512)
-  Tensor<std::int32_t, 2> cmp_table;    // (B, 32)
-  Tensor<std::int32_t, 2> topk;         // (T, idx_topk) raw compressed rows (indexer output)
-  Tensor<std::int64_t, 1> c4_cmp_slots;   // (T) CSA compressed-cache slot (ratio 4)
-  Tensor<std::int64_t, 1> c128_cmp_slots; // (T) HCA compressed-cache slot (ratio 128)
+  Tensor<bf16, 2> cmp_kv;                  // (cmp_blocks*128, 512)
+  Tensor<std::int32_t, 2> cmp_table;       // (B, 32)
+  Tensor<std::int32_t, 2> topk;            // (T, idx_topk) raw compressed rows (indexer output)
+  Tensor<std::int64_t, 1> c4_cmp_slots;    // (T) CSA compressed-cache slot (ratio 4)
+  Tensor<std::int64_t, 1> c128_cmp_slots;  // (T) HCA compressed-cache slot (ratio 128)
 
   // --- output projection input (spec §8.4 packed layout)
-  Tensor<bf16, 2> o_packed;             // (O_GROUPS*T, O_GROUP_IN)
+  Tensor<bf16, 2> o_packed;  // (O_GROUPS*T, O_GROUP_IN)
 
   // --- compressors (spec §6)
-  Tensor<bf16, 2> x_n;                  // (T, D) normed hidden state
+  Tensor<bf16, 2> x_n;  // (T, D) normed hidden state
   StatePool s4, s128, sinner;
 };
 
@@ -136,8 +136,8 @@ inline CompressorWeights make_compressor(tdtest::Rng& r, const ModelConfig& cfg,
   fill_bf16(r, c.norm_w.flat(), 0.6f, 1.3f);
   return c;
 }
-inline StatePool make_state_pool(tdtest::Rng& r, const ModelConfig& cfg, const Case& cs,
-                                 int page, int ring_pages, int out_dim) {
+inline StatePool make_state_pool(tdtest::Rng& r, const ModelConfig& cfg, const Case& cs, int page,
+                                 int ring_pages, int out_dim) {
   StatePool p;
   p.page = page;
   p.blocks = index_t(ring_pages) * cs.batch;
@@ -244,12 +244,14 @@ inline Case make_case(const ModelConfig& cfg, int batch, int context, std::uint6
   std::vector<std::int32_t> perm;
   for (int t = 0; t < T; ++t) {
     const int b = t / cs.seq;
-    const int vis = std::min({cs.kv_seq_lens.data()[b] / 4, (cs.positions.data()[t] + 1) / 4, cfg.score_len()});
+    const int vis =
+        std::min({cs.kv_seq_lens.data()[b] / 4, (cs.positions.data()[t] + 1) / 4, cfg.score_len()});
     perm.resize(vis);
     std::iota(perm.begin(), perm.end(), 0);
     const int k = std::min(vis, cfg.idx_topk);
     for (int i = 0; i < k; ++i) std::swap(perm[i], perm[i + r.integer(0, vis - 1 - i)]);
-    for (int i = 0; i < cfg.idx_topk; ++i) cs.topk.data()[t * cfg.idx_topk + i] = i < k ? perm[i] : -1;
+    for (int i = 0; i < cfg.idx_topk; ++i)
+      cs.topk.data()[t * cfg.idx_topk + i] = i < k ? perm[i] : -1;
   }
 
   // Output projection input.

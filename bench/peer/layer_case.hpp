@@ -26,7 +26,8 @@ struct LayerModel {
   tiledecode::RopeTable rope;
 
   explicit LayerModel(const tiledecode::ModelConfig& c, tiledecode::Executor* exec)
-      : cfg(c), w(c, tiledecode::LayerKind::csa),
+      : cfg(c),
+        w(c, tiledecode::LayerKind::csa),
         rope(tiledecode::make_rope_table(c, tiledecode::LayerKind::csa, c.max_seq_len)) {
     const auto ctx = tiledecode::cpu::make_context(exec);
     tiledecode::decode::synthetic::fill_weights(ctx, w, c, /*layer=*/2, /*seed=*/2026);
@@ -46,8 +47,12 @@ struct LayerCase {
   tiledecode::Tensor<float, 3> x_hc;
 
   LayerCase(const LayerModel& m, int b, int ctx_len, int max_threads)
-      : batch(b), context(ctx_len), starts(make_starts(b, ctx_len)), shape{b, 2, 1},
-        fx(b, m.cfg), md(starts, shape, fx.tables(), fx.pools, m.cfg) {
+      : batch(b),
+        context(ctx_len),
+        starts(make_starts(b, ctx_len)),
+        shape{b, 2, 1},
+        fx(b, m.cfg),
+        md(starts, shape, fx.tables(), fx.pools, m.cfg) {
     tiledecode::ThreadPool pool(std::size_t(std::max(1, max_threads)));
     const auto ctx = tiledecode::cpu::make_context(&pool);
     caches = tiledecode::decode::LayerCacheStorage(m.cfg, tiledecode::LayerKind::csa, fx.pools);

@@ -19,17 +19,17 @@
 
 #include <algorithm>
 #include <chrono>
-#include <ctime>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <functional>
 #include <memory>
 #include <sstream>
-#include <thread>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ceilings.hpp"
@@ -97,8 +97,8 @@ const char* bound_of(const Cost& c, const Ceilings& ce, int threads) {
 // ---- cost models (spec shapes) --------------------------------------------------------------
 
 int vis_of(const ModelConfig& cfg, const Case& cs, index_t t) {
-  return std::min({cs.kv_seq_lens.data()[t / cs.seq] / 4, (cs.positions.data()[t] + 1) / 4,
-                   cfg.score_len()});
+  return std::min(
+      {cs.kv_seq_lens.data()[t / cs.seq] / 4, (cs.positions.data()[t] + 1) / 4, cfg.score_len()});
 }
 
 Cost indexer_cost(const Weights& w, const Case& cs) {
@@ -137,7 +137,8 @@ Cost attention_cost(const Weights& w, const Case& cs, int ratio) {
 
 Cost oproj_cost(const Weights& w, const Case& cs) {
   const auto& cfg = w.cfg;
-  const double T = cs.tokens(), G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in(), D = cfg.hidden;
+  const double T = cs.tokens(), G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in(),
+               D = cfg.hidden;
   Cost c;
   c.fp32 = 2 * T * G * R * K;
   c.int8 = 2 * T * D * G * R;
@@ -205,40 +206,62 @@ struct KernelDef {
 
 std::vector<KernelDef> kernel_defs() {
   std::vector<KernelDef> k;
-  k.push_back({"indexer", true,
-               [](Bench& b, const td::cpu::Context* x, int n) { return make_td_indexer(b.w, b.cs, x, n); },
-               {{"aten", [](Bench& b) { return make_peer_indexer(b.w, b.cs); }}},
-               [](Bench& b) { return make_golden_indexer(b.w, b.cs); },
-               [](Bench& b) { return indexer_cost(b.w, b.cs); }});
+  k.push_back(
+      {"indexer",
+       true,
+       [](Bench& b, const td::cpu::Context* x, int n) { return make_td_indexer(b.w, b.cs, x, n); },
+       {{"aten", [](Bench& b) { return make_peer_indexer(b.w, b.cs); }}},
+       [](Bench& b) { return make_golden_indexer(b.w, b.cs); },
+       [](Bench& b) { return indexer_cost(b.w, b.cs); }});
   for (int ratio : {4, 128, 0}) {
     const std::string name = ratio == 4 ? "attn_csa" : (ratio == 128 ? "attn_hca" : "attn_swa");
-    k.push_back({name, true,
-                 [ratio](Bench& b, const td::cpu::Context* x, int n) { return make_td_attention(b.w, b.cs, ratio, x, n); },
+    k.push_back({name,
+                 true,
+                 [ratio](Bench& b, const td::cpu::Context* x, int n) {
+                   return make_td_attention(b.w, b.cs, ratio, x, n);
+                 },
                  {{"aten", [ratio](Bench& b) { return make_peer_attention(b.w, b.cs, ratio); }}},
                  [ratio](Bench& b) { return make_golden_attention(b.w, b.cs, ratio); },
                  [ratio](Bench& b) { return attention_cost(b.w, b.cs, ratio); }});
   }
-  k.push_back({"oproj", false,
+  k.push_back({"oproj",
+               false,
                [](Bench& b, const td::cpu::Context* x, int) { return make_td_oproj(b.w, b.cs, x); },
-               {{"aten_fp32_weights", [](Bench& b) { return make_peer_oproj(b.w, b.cs, WeightMode::fp32_copy); }},
-                {"aten_dequant_per_step", [](Bench& b) { return make_peer_oproj(b.w, b.cs, WeightMode::dequant); }}},
+               {{"aten_fp32_weights",
+                 [](Bench& b) { return make_peer_oproj(b.w, b.cs, WeightMode::fp32_copy); }},
+                {"aten_dequant_per_step",
+                 [](Bench& b) { return make_peer_oproj(b.w, b.cs, WeightMode::dequant); }}},
                [](Bench& b) { return make_golden_oproj(b.w, b.cs); },
                [](Bench& b) { return oproj_cost(b.w, b.cs); }});
   for (int which : {4, 128, 0}) {
-    const std::string name = which == 4 ? "compressor_csa" : (which == 128 ? "compressor_hca" : "compressor_inner");
-    k.push_back({name, false,
-                 [which](Bench& b, const td::cpu::Context* x, int) { return make_td_compressor(b.w, b.cs, which, x); },
-                 {{"aten_fp32_weights", [which](Bench& b) { return make_peer_compressor(b.w, b.cs, which, WeightMode::fp32_copy); }},
-                  {"aten_dequant_per_step", [which](Bench& b) { return make_peer_compressor(b.w, b.cs, which, WeightMode::dequant); }}},
+    const std::string name =
+        which == 4 ? "compressor_csa" : (which == 128 ? "compressor_hca" : "compressor_inner");
+    k.push_back({name,
+                 false,
+                 [which](Bench& b, const td::cpu::Context* x, int) {
+                   return make_td_compressor(b.w, b.cs, which, x);
+                 },
+                 {{"aten_fp32_weights",
+                   [which](Bench& b) {
+                     return make_peer_compressor(b.w, b.cs, which, WeightMode::fp32_copy);
+                   }},
+                  {"aten_dequant_per_step",
+                   [which](Bench& b) {
+                     return make_peer_compressor(b.w, b.cs, which, WeightMode::dequant);
+                   }}},
                  [which](Bench& b) { return make_golden_compressor(b.w, b.cs, which); },
                  [which](Bench& b) { return compressor_cost(b.w, b.cs, which); }});
   }
-  k.push_back({"layer_csa", true,
-               [](Bench& b, const td::cpu::Context* x, int n) { return make_td_layer(*b.lm, *b.lc, x, n); },
-               {{"aten_fp32_weights", [](Bench& b) { return make_peer_layer(*b.lm, *b.lc, WeightMode::fp32_copy); }},
-                {"aten_dequant_per_step", [](Bench& b) { return make_peer_layer(*b.lm, *b.lc, WeightMode::dequant); }}},
-               [](Bench& b) { return make_golden_layer(*b.lm, *b.lc); },
-               [](Bench& b) { return layer_cost(b.w, b.cs); }});
+  k.push_back(
+      {"layer_csa",
+       true,
+       [](Bench& b, const td::cpu::Context* x, int n) { return make_td_layer(*b.lm, *b.lc, x, n); },
+       {{"aten_fp32_weights",
+         [](Bench& b) { return make_peer_layer(*b.lm, *b.lc, WeightMode::fp32_copy); }},
+        {"aten_dequant_per_step",
+         [](Bench& b) { return make_peer_layer(*b.lm, *b.lc, WeightMode::dequant); }}},
+       [](Bench& b) { return make_golden_layer(*b.lm, *b.lc); },
+       [](Bench& b) { return layer_cost(b.w, b.cs); }});
   return k;
 }
 
@@ -307,7 +330,9 @@ std::vector<Stat> measure_interleaved(const std::vector<Timed>& items, double mi
 
 // The time a row reports (see the header comment): single thread → median CPU time of the
 // calling thread; more threads → minimum wall time.
-double headline(const Stat& s, int threads) { return threads == 1 ? s.cpu_median : s.wall_min; }
+double headline(const Stat& s, int threads) {
+  return threads == 1 ? s.cpu_median : s.wall_min;
+}
 
 // ---- ceilings, timed like the kernels -------------------------------------------------------
 // The register-only loops of bench/ceilings.hpp (same instruction mix), but timed by the
@@ -337,76 +362,76 @@ double cpu_fma_gflops() {
 #endif
 }
 
-double cpu_int8_gops() {
 #if TILEDECODE_X86
-  if (!td::cpu::cpu_has_avx2()) return 0.0;
-  const std::int64_t iters = 20'000'000;
-  volatile int sink = 0;
-  const double s = best_cpu_seconds([&] { sink = sink + tdbench::int8_loop(iters); });
-  return double(iters) * 4 * 32 * 2 / s * 1e-9;
-#else
-  return 0.0;
-#endif
-}
-
-#if TILEDECODE_X86
-// Throughput loops without a loop-carried chain through the multiplier inputs (an empty asm
-// makes the inputs opaque each iteration at zero cost), so they measure issue rate, not
-// latency. madd16: the indexer's inner loop (int16-widened operands, vpmaddwd + vpaddd, 16
-// multiply-adds per instruction). sign8: the sign-trick mix (2 × vpsignb, vpmaddubsw, vpmaddwd,
-// vpaddd per 32 multiply-adds).
-TILEDECODE_TARGET_AVX2 int madd16_loop(std::int64_t iters) {
-  __m256i k0 = _mm256_set1_epi16(3), k1 = _mm256_set1_epi16(-5), k2 = _mm256_set1_epi16(7),
-          k3 = _mm256_set1_epi16(-9), b = _mm256_set1_epi16(11);
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+// INT8 throughput loops with every product distinct (8 different operand pairs per iteration)
+// and every input opaque each iteration (empty asm), so the compiler can neither hoist nor
+// common them up, and no chain through the accumulators' latency. ceilings.hpp's int8 loops
+// alternate two inputs over 8 products, which lets the compiler compute each product once and
+// add it 4 times (they over-report); the FP32 FMA loop there is fine.
+//   widen: int16 operands (pre-widened, as the indexer's tile), vpmaddwd + vpaddd, 16 pairs/op
+//   sign:  2 × vpsignb, vpmaddubsw, vpmaddwd, vpaddd per 32 pairs
+TILEDECODE_TARGET_AVX2 int widen_madd_loop(std::int64_t iters) {
+  // 4 constant × 2 opaque operands = 8 distinct products; 14 live registers (no spills).
+  const __m256i k0 = _mm256_set1_epi16(3), k1 = _mm256_set1_epi16(-5), k2 = _mm256_set1_epi16(7),
+                k3 = _mm256_set1_epi16(-9);
+  __m256i b0 = _mm256_set1_epi16(11), b1 = _mm256_set1_epi16(-13);
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+          a7 = a0;
   for (std::int64_t i = 0; i < iters; ++i) {
-    asm volatile("" : "+x"(b), "+x"(k0), "+x"(k1), "+x"(k2), "+x"(k3));
-    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(k0, b));
-    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(k1, b));
-    a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(k2, b));
-    a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(k3, b));
-    a4 = _mm256_add_epi32(a4, _mm256_madd_epi16(k0, k1));
-    a5 = _mm256_add_epi32(a5, _mm256_madd_epi16(k2, k3));
-    a6 = _mm256_add_epi32(a6, _mm256_madd_epi16(k1, k2));
-    a7 = _mm256_add_epi32(a7, _mm256_madd_epi16(k3, k0));
+    asm volatile("" : "+x"(b0), "+x"(b1));
+    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(k0, b0));
+    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(k1, b0));
+    a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(k2, b0));
+    a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(k3, b0));
+    a4 = _mm256_add_epi32(a4, _mm256_madd_epi16(k0, b1));
+    a5 = _mm256_add_epi32(a5, _mm256_madd_epi16(k1, b1));
+    a6 = _mm256_add_epi32(a6, _mm256_madd_epi16(k2, b1));
+    a7 = _mm256_add_epi32(a7, _mm256_madd_epi16(k3, b1));
   }
-  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)),
-                                     _mm256_add_epi32(_mm256_add_epi32(a4, a5), _mm256_add_epi32(a6, a7)));
+  const __m256i s =
+      _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)),
+                       _mm256_add_epi32(_mm256_add_epi32(a4, a5), _mm256_add_epi32(a6, a7)));
   return _mm256_extract_epi32(s, 0);
 }
 
-TILEDECODE_TARGET_AVX2 int sign8_loop(std::int64_t iters) {
+TILEDECODE_TARGET_AVX2 int sign_madd_loop(std::int64_t iters) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i x0 = _mm256_set1_epi8(3), x1 = _mm256_set1_epi8(-5), x2 = _mm256_set1_epi8(7),
           x3 = _mm256_set1_epi8(-9), y = _mm256_set1_epi8(11);
   __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0;
   for (std::int64_t i = 0; i < iters; ++i) {
     asm volatile("" : "+x"(y), "+x"(x0), "+x"(x1), "+x"(x2), "+x"(x3));
-    c0 = _mm256_add_epi32(c0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x0, x0), _mm256_sign_epi8(y, x0)), ones));
-    c1 = _mm256_add_epi32(c1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x1, x1), _mm256_sign_epi8(y, x1)), ones));
-    c2 = _mm256_add_epi32(c2, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x2, x2), _mm256_sign_epi8(y, x2)), ones));
-    c3 = _mm256_add_epi32(c3, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x3, x3), _mm256_sign_epi8(y, x3)), ones));
+    c0 = _mm256_add_epi32(
+        c0, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(_mm256_sign_epi8(x0, x0), _mm256_sign_epi8(y, x0)), ones));
+    c1 = _mm256_add_epi32(
+        c1, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(_mm256_sign_epi8(x1, x1), _mm256_sign_epi8(y, x1)), ones));
+    c2 = _mm256_add_epi32(
+        c2, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(_mm256_sign_epi8(x2, x2), _mm256_sign_epi8(y, x2)), ones));
+    c3 = _mm256_add_epi32(
+        c3, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(_mm256_sign_epi8(x3, x3), _mm256_sign_epi8(y, x3)), ones));
   }
   const __m256i s = _mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3));
   return _mm256_extract_epi32(s, 0);
 }
 #endif
 
-// Best INT8 multiply-add rate (GOP/s, 2 OP per pair) of the two AVX2 instruction mixes.
-double cpu_int8_throughput_gops(double* madd16, double* sign8) {
+// Best INT8 multiply-add rate (GOP/s, 2 OP per pair) of the two AVX2 mixes.
+double cpu_int8_gops(double* sign_gops, double* widen_gops) {
+  *sign_gops = *widen_gops = 0;
 #if TILEDECODE_X86
   if (!td::cpu::cpu_has_avx2()) return 0.0;
   const std::int64_t iters = 20'000'000;
   volatile int sink = 0;
-  const double s1 = best_cpu_seconds([&] { sink = sink + madd16_loop(iters); });
-  const double s2 = best_cpu_seconds([&] { sink = sink + sign8_loop(iters); });
-  *madd16 = double(iters) * 8 * 16 * 2 / s1 * 1e-9;
-  *sign8 = double(iters) * 4 * 32 * 2 / s2 * 1e-9;
-  return std::max(*madd16, *sign8);
-#else
-  *madd16 = *sign8 = 0;
-  return 0.0;
+  const double s1 = best_cpu_seconds([&] { sink = sink + sign_madd_loop(iters); });
+  const double s2 = best_cpu_seconds([&] { sink = sink + widen_madd_loop(iters); });
+  *sign_gops = double(iters) * 4 * 32 * 2 / s1 * 1e-9;
+  *widen_gops = double(iters) * 8 * 16 * 2 / s2 * 1e-9;
 #endif
+  return std::max(*sign_gops, *widen_gops);
 }
 
 double cpu_read_gbps(int threads) {
@@ -458,7 +483,8 @@ struct Row {
   double td_us = NAN, peer_us = NAN, golden_us = NAN;
   Stat td_stat, peer_stat;
   std::vector<std::pair<std::string, double>> peer_variants;
-  double pct = NAN, peer_pct = NAN, rel_err = NAN, rel_err_td_golden = NAN, rel_err_peer_golden = NAN;
+  double pct = NAN, peer_pct = NAN, rel_err = NAN, rel_err_td_golden = NAN,
+         rel_err_peer_golden = NAN;
   std::string bound;
   Cost cost;
 };
@@ -525,12 +551,18 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--quick") opt.quick = true;
-    else if (a == "--json") opt.json = next();
-    else if (a == "--threads") opt.threads = parse_list(next());
-    else if (a == "--filter") opt.filter = next();
-    else if (a == "--min-time") opt.min_time = std::atof(next());
-    else if (a == "--golden-max-batch") opt.golden_max_batch = std::atoi(next());
+    if (a == "--quick")
+      opt.quick = true;
+    else if (a == "--json")
+      opt.json = next();
+    else if (a == "--threads")
+      opt.threads = parse_list(next());
+    else if (a == "--filter")
+      opt.filter = next();
+    else if (a == "--min-time")
+      opt.min_time = std::atof(next());
+    else if (a == "--golden-max-batch")
+      opt.golden_max_batch = std::atoi(next());
     else if (a == "-h" || a == "--help") {
       usage();
       return 0;
@@ -545,7 +577,8 @@ int main(int argc, char** argv) {
 
   const ModelConfig cfg = td::flash_config();
   const td::cpu::Isa isa = td::cpu::detect_isa();
-  std::printf("peer_compare: DeepSeek-V4-flash decode kernels, TileDecode vs ATen %s\n", peer_version().c_str());
+  std::printf("peer_compare: DeepSeek-V4-flash decode kernels, TileDecode vs ATen %s\n",
+              peer_version().c_str());
   std::printf("cpu: %s, %u hardware threads, TileDecode ISA %s\n", cpu_model().c_str(),
               std::thread::hardware_concurrency(), isa == td::cpu::Isa::avx2 ? "avx2" : "scalar");
   std::printf("blas: %s\n", peer_blas_info().c_str());
@@ -562,25 +595,32 @@ int main(int argc, char** argv) {
   wall_ce.bw2 = max_threads >= 2 ? tdbench::read_gbps(2) : wall_ce.bw1;
   Ceilings ce;
   ce.fma_gflops = std::max(cpu_fma_gflops(), wall_ce.fma_gflops);
-  const double int8_chain = cpu_int8_gops();
-  double int8_madd16 = 0, int8_sign8 = 0;
-  ce.int8_gops = std::max({int8_chain, cpu_int8_throughput_gops(&int8_madd16, &int8_sign8), wall_ce.int8_gops});
+  double int8_sign = 0, int8_widen = 0;
+  ce.int8_gops = cpu_int8_gops(&int8_sign, &int8_widen);
   ce.bw1 = std::max(cpu_read_gbps(1), wall_ce.bw1);
   ce.bw2 = max_threads >= 2 ? std::max(cpu_read_gbps(2), wall_ce.bw2) : ce.bw1;
-  std::printf("ceilings (per core): FP32 FMA %.1f GFLOP/s, INT8 MAC %.1f GOP/s; read bandwidth 1 core %.1f GB/s, 2 cores %.1f GB/s\n",
-              ce.fma_gflops, ce.int8_gops, ce.bw1, ce.bw2);
-  std::printf("  (bench/ceilings.hpp wall-clock medians: %.1f GFLOP/s, %.1f GOP/s, %.1f GB/s, %.1f GB/s)\n",
-              wall_ce.fma_gflops, wall_ce.int8_gops, wall_ce.bw1, wall_ce.bw2);
-  std::printf("  INT8 loops (CPU time): ceilings.hpp mix %.1f GOP/s (its inputs depend on the accumulators: a latency chain),\n"
-              "  vpmaddwd on int16 %.1f GOP/s, sign-trick mix without the chain %.1f GOP/s; the ceiling is the best of them\n",
-              int8_chain, int8_madd16, int8_sign8);
-  std::printf("times: 1 thread = median CPU time of the calling thread over interleaved samples; 2 threads = minimum wall time\n\n");
+  std::printf(
+      "ceilings (per core): FP32 FMA %.1f GFLOP/s, INT8 MAC %.1f GOP/s; read bandwidth 1 core %.1f "
+      "GB/s, 2 cores %.1f GB/s\n",
+      ce.fma_gflops, ce.int8_gops, ce.bw1, ce.bw2);
+  std::printf(
+      "  (bench/ceilings.hpp wall-clock medians: %.1f GFLOP/s, %.1f GOP/s, %.1f GB/s, %.1f GB/s)\n",
+      wall_ce.fma_gflops, wall_ce.int8_gops, wall_ce.bw1, wall_ce.bw2);
+  std::printf(
+      "  INT8 mixes (CPU time, distinct products): sign trick %.1f GOP/s, int16 vpmaddwd %.1f "
+      "GOP/s; the ceiling is the better\n",
+      int8_sign, int8_widen);
+  std::printf(
+      "times: 1 thread = median CPU time of the calling thread over interleaved samples; 2 threads "
+      "= minimum wall time\n\n");
 
   std::printf("building weights...\n");
   std::fflush(stdout);
   const Weights w = make_weights(cfg);
 
-  struct Point { int batch, context; };
+  struct Point {
+    int batch, context;
+  };
   std::vector<Point> points;
   if (opt.quick) {
     points = {{4, 8192}};
@@ -592,13 +632,15 @@ int main(int argc, char** argv) {
   td::ThreadPool pool1(1), pool2(std::max(2, max_threads));
   td::cpu::Context ctx{&pool1, isa};
   const auto defs = kernel_defs();
-  const bool want_layer = opt.filter.empty() || std::string("layer_csa").find(opt.filter) != std::string::npos;
+  const bool want_layer =
+      opt.filter.empty() || std::string("layer_csa").find(opt.filter) != std::string::npos;
   std::unique_ptr<LayerModel> lm;
   if (want_layer) lm = std::make_unique<LayerModel>(cfg, &pool2);
   std::vector<Row> rows;
 
-  std::printf("%-17s %6s %3s %3s %11s %11s %11s %8s %8s %7s %-9s %8s %8s  %s\n", "kernel", "ctx", "B", "thr",
-              "tiledecode", "peer", "golden", "x_peer", "x_golden", "%ceil", "bound", "err_peer", "err_gold", "peer variant / impl");
+  std::printf("%-17s %6s %3s %3s %11s %11s %11s %8s %8s %7s %-9s %8s %8s  %s\n", "kernel", "ctx",
+              "B", "thr", "tiledecode", "peer", "golden", "x_peer", "x_golden", "%ceil", "bound",
+              "err_peer", "err_gold", "peer variant / impl");
   for (const Point& p : points) {
     Case cs = make_case(cfg, p.batch, p.context);
     std::unique_ptr<LayerCase> lc;
@@ -613,7 +655,9 @@ int main(int argc, char** argv) {
         // The per-step-dequant peers convert every weight at every step; they are measured up
         // to B = 4 (the layer's only at B = 4, 8k), where their conversion cost matters most.
         if (name == "aten_dequant_per_step" && p.batch > 4) continue;
-        if (k.name == "layer_csa" && name == "aten_dequant_per_step" && !(p.batch == 4 && p.context == 8192)) continue;
+        if (k.name == "layer_csa" && name == "aten_dequant_per_step" &&
+            !(p.batch == 4 && p.context == 8192))
+          continue;
         peers.emplace_back(name, make(bench));
       }
       Runner gold = p.batch <= opt.golden_max_batch ? k.golden(bench) : Runner{};
@@ -658,10 +702,13 @@ int main(int argc, char** argv) {
         if (thr > 1) blas_threads.push_back(1);
         for (auto& [name, pr] : peers)
           for (int bt : blas_threads) {
-            const std::string label = thr > 1 ? name + "[aten" + std::to_string(thr) + ",blas" + std::to_string(bt) + "]" : name;
+            const std::string label =
+                thr > 1 ? name + "[aten" + std::to_string(thr) + ",blas" + std::to_string(bt) + "]"
+                        : name;
             items.push_back({label, &pr, [thr, bt] { peer_set_threads(thr, bt); }});
           }
-        const std::vector<Stat> st = measure_interleaved(items, opt.min_time, p.batch >= 16 ? 2 : 3, 400);
+        const std::vector<Stat> st =
+            measure_interleaved(items, opt.min_time, p.batch >= 16 ? 2 : 3, 400);
         r.td_stat = st[0];
         r.td_us = headline(st[0], thr);
         for (std::size_t i = 1; i < items.size(); ++i) {
@@ -675,15 +722,18 @@ int main(int argc, char** argv) {
         }
         ctx.exec = &pool1;
         peer_set_threads(1, 1);
-        if (gold && thr == 1) r.golden_us = measure_interleaved({{"golden", &gold, [] {}}}, 0.0, 1, 1)[0].cpu_median;
+        if (gold && thr == 1)
+          r.golden_us = measure_interleaved({{"golden", &gold, [] {}}}, 0.0, 1, 1)[0].cpu_median;
         const double roof_us = roofline_s(cost, ce, thr) * 1e6;
         r.pct = 100.0 * roof_us / r.td_us;
         r.peer_pct = 100.0 * roof_us / r.peer_us;
         r.bound = bound_of(cost, ce, thr);
-        std::printf("%-17s %6d %3d %3d %9.1fus %9.1fus %9.1fus %7.2fx %7.2fx %6.1f%% %-9s %8.1e %8.1e  %s / %s\n",
-                    r.kernel.c_str(), r.context, r.batch, r.threads, r.td_us, r.peer_us, r.golden_us,
-                    r.peer_us / r.td_us, r.golden_us / r.td_us, r.pct, r.bound.c_str(), r.rel_err, r.rel_err_td_golden,
-                    r.peer_variant.c_str(), r.td_impl.c_str());
+        std::printf(
+            "%-17s %6d %3d %3d %9.1fus %9.1fus %9.1fus %7.2fx %7.2fx %6.1f%% %-9s %8.1e %8.1e  %s "
+            "/ %s\n",
+            r.kernel.c_str(), r.context, r.batch, r.threads, r.td_us, r.peer_us, r.golden_us,
+            r.peer_us / r.td_us, r.golden_us / r.td_us, r.pct, r.bound.c_str(), r.rel_err,
+            r.rel_err_td_golden, r.peer_variant.c_str(), r.td_impl.c_str());
         std::fflush(stdout);
         rows.push_back(r);
       }
@@ -693,7 +743,8 @@ int main(int argc, char** argv) {
   // Bars at B=4, S=2, 8k (spec of the comparison): single-thread ratio to the peer, and the
   // 1 → 2 thread scaling of TileDecode.
   std::printf("\nbars at B=4, S=2, context 8k:\n");
-  std::printf("%-17s %10s %6s %8s %10s %6s %s\n", "kernel", "x_peer(1t)", "bar", "", "2t/1t", "bar", "");
+  std::printf("%-17s %10s %6s %8s %10s %6s %s\n", "kernel", "x_peer(1t)", "bar", "", "2t/1t", "bar",
+              "");
   for (const KernelDef& k : defs) {
     const Row* r1 = nullptr;
     const Row* r2 = nullptr;
@@ -710,8 +761,9 @@ int main(int argc, char** argv) {
     const double x = r1->peer_us / r1->td_us;
     const bool scale_bar = k.name == "indexer" || k.name.rfind("attn_", 0) == 0;
     const double sc = r2 ? r1->td_us / r2->td_us : NAN;
-    std::printf("%-17s %9.2fx %5.2fx %8s %9.2fx %6s %s\n", k.name.c_str(), x, bar, x >= bar ? "ok" : "MISS", sc,
-                scale_bar ? "1.80x" : "-", scale_bar ? (sc >= 1.8 ? "ok" : "MISS") : "");
+    std::printf("%-17s %9.2fx %5.2fx %8s %9.2fx %6s %s\n", k.name.c_str(), x, bar,
+                x >= bar ? "ok" : "MISS", sc, scale_bar ? "1.80x" : "-",
+                scale_bar ? (sc >= 1.8 ? "ok" : "MISS") : "");
   }
 
   if (!opt.json.empty()) {
@@ -719,18 +771,24 @@ int main(int argc, char** argv) {
     f << "{\n  \"machine\": {\"cpu\": " << json_str(cpu_model())
       << ", \"hardware_threads\": " << std::thread::hardware_concurrency()
       << ", \"tiledecode_isa\": " << json_str(isa == td::cpu::Isa::avx2 ? "avx2" : "scalar")
-      << ", \"loadavg_start\": " << json_str(load_start) << ", \"loadavg_end\": " << json_str(loadavg()) << "},\n";
-    f << "  \"peer\": {\"aten\": " << json_str(peer_version()) << ", \"blas\": " << json_str(peer_blas_info())
-      << "},\n";
+      << ", \"loadavg_start\": " << json_str(load_start)
+      << ", \"loadavg_end\": " << json_str(loadavg()) << "},\n";
+    f << "  \"peer\": {\"aten\": " << json_str(peer_version())
+      << ", \"blas\": " << json_str(peer_blas_info()) << "},\n";
     f << "  \"ceilings\": {\"fp32_fma_gflops\": " << json_num(ce.fma_gflops)
       << ", \"int8_gops\": " << json_num(ce.int8_gops) << ", \"read_gbps_1\": " << json_num(ce.bw1)
-      << ", \"read_gbps_2\": " << json_num(ce.bw2) << ", \"wall_clock\": {\"fp32_fma_gflops\": "
-      << json_num(wall_ce.fma_gflops) << ", \"int8_gops\": " << json_num(wall_ce.int8_gops)
-      << ", \"read_gbps_1\": " << json_num(wall_ce.bw1) << ", \"read_gbps_2\": " << json_num(wall_ce.bw2)
-      << "}, \"int8_loops_cpu\": {\"ceilings_hpp_mix\": " << json_num(int8_chain) << ", \"madd16\": " << json_num(int8_madd16)
-      << ", \"sign8_no_chain\": " << json_num(int8_sign8)
-      << "}},\n";
-    f << "  \"timing\": " << json_str("1 thread: median CPU time of the calling thread over interleaved samples; 2 threads: minimum wall time over interleaved samples") << ",\n";
+      << ", \"read_gbps_2\": " << json_num(ce.bw2)
+      << ", \"wall_clock\": {\"fp32_fma_gflops\": " << json_num(wall_ce.fma_gflops)
+      << ", \"int8_gops\": " << json_num(wall_ce.int8_gops)
+      << ", \"read_gbps_1\": " << json_num(wall_ce.bw1)
+      << ", \"read_gbps_2\": " << json_num(wall_ce.bw2)
+      << "}, \"int8_mixes_cpu\": {\"sign_trick\": " << json_num(int8_sign)
+      << ", \"widen_madd\": " << json_num(int8_widen) << "}},\n";
+    f << "  \"timing\": "
+      << json_str(
+             "1 thread: median CPU time of the calling thread over interleaved samples; 2 threads: "
+             "minimum wall time over interleaved samples")
+      << ",\n";
     f << "  \"min_time_s\": " << json_num(opt.min_time) << ",\n";
     f << "  \"quick\": " << (opt.quick ? "true" : "false") << ",\n  \"rows\": [\n";
     for (std::size_t i = 0; i < rows.size(); ++i) {
@@ -747,17 +805,21 @@ int main(int argc, char** argv) {
         << ", \"peer_cpu_median_us\": " << json_num(r.peer_stat.cpu_median)
         << ", \"tiledecode_process_cpu_median_us\": " << json_num(r.td_stat.proc_cpu_median)
         << ", \"peer_process_cpu_median_us\": " << json_num(r.peer_stat.proc_cpu_median)
-        << ", \"pct_of_ceiling\": " << json_num(r.pct) << ", \"peer_pct_of_ceiling\": " << json_num(r.peer_pct)
+        << ", \"pct_of_ceiling\": " << json_num(r.pct)
+        << ", \"peer_pct_of_ceiling\": " << json_num(r.peer_pct)
         << ", \"bound\": " << json_str(r.bound) << ", \"golden_us\": " << json_num(r.golden_us)
         << ", \"ratio_vs_golden\": " << json_num(r.golden_us / r.td_us)
         << ", \"rel_err_vs_peer\": " << json_num(r.rel_err)
         << ", \"rel_err_tiledecode_vs_golden\": " << json_num(r.rel_err_td_golden)
-        << ", \"rel_err_peer_vs_golden\": " << json_num(r.rel_err_peer_golden) << ", \"tiledecode_impl\": " << json_str(r.td_impl)
+        << ", \"rel_err_peer_vs_golden\": " << json_num(r.rel_err_peer_golden)
+        << ", \"tiledecode_impl\": " << json_str(r.td_impl)
         << ", \"peer_variant\": " << json_str(r.peer_variant) << ", \"peer_variants_us\": {";
       for (std::size_t j = 0; j < r.peer_variants.size(); ++j)
-        f << (j ? ", " : "") << json_str(r.peer_variants[j].first) << ": " << json_num(r.peer_variants[j].second);
-      f << "}, \"fp32_flop\": " << json_num(r.cost.fp32) << ", \"int8_op\": " << json_num(r.cost.int8)
-        << ", \"bytes\": " << json_num(r.cost.bytes) << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
+        f << (j ? ", " : "") << json_str(r.peer_variants[j].first) << ": "
+          << json_num(r.peer_variants[j].second);
+      f << "}, \"fp32_flop\": " << json_num(r.cost.fp32)
+        << ", \"int8_op\": " << json_num(r.cost.int8) << ", \"bytes\": " << json_num(r.cost.bytes)
+        << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
     }
     f << "  ]\n}\n";
     std::printf("\nwrote %s (%zu rows)\n", opt.json.c_str(), rows.size());

@@ -44,12 +44,14 @@ std::vector<float> floats(const Tensor<T, 2>& t) {
 // dequantised INT8 row).
 std::vector<float> emitted_rows(const Case& cs, int which) {
   std::vector<float> v;
-  const auto& slots = which == 4 ? cs.c4_cmp_slots : (which == 128 ? cs.c128_cmp_slots : cs.idx_slots);
+  const auto& slots =
+      which == 4 ? cs.c4_cmp_slots : (which == 128 ? cs.c128_cmp_slots : cs.idx_slots);
   for (index_t t = 0; t < slots.extent(0); ++t) {
     const std::int64_t s = slots.data()[t];
     if (s < 0) continue;
     if (which != 0) {
-      for (index_t d = 0; d < cs.cmp_kv.extent(1); ++d) v.push_back(cs.cmp_kv.data()[s * cs.cmp_kv.extent(1) + d].to_float());
+      for (index_t d = 0; d < cs.cmp_kv.extent(1); ++d)
+        v.push_back(cs.cmp_kv.data()[s * cs.cmp_kv.extent(1) + d].to_float());
     } else {
       for (index_t d = 0; d < cs.idx_kv.extent(1); ++d)
         v.push_back(float(cs.idx_kv.data()[s * cs.idx_kv.extent(1) + d]) * cs.idx_sc.data()[s]);
@@ -65,15 +67,17 @@ StatePool& state_pool(Case& cs, int which) {
   return which == 4 ? cs.s4 : (which == 128 ? cs.s128 : cs.sinner);
 }
 k::CompressorSpec compressor_spec(const ModelConfig& cfg, int which) {
-  return which == 4 ? k::csa_compressor_spec(cfg)
-                    : (which == 128 ? k::hca_compressor_spec(cfg) : k::indexer_compressor_spec(cfg));
+  return which == 4
+             ? k::csa_compressor_spec(cfg)
+             : (which == 128 ? k::hca_compressor_spec(cfg) : k::indexer_compressor_spec(cfg));
 }
 k::CompressorWeights compressor_views(const CompressorWeights& cw) {
   return {cw.wkv.view(), cw.wgate.view(), cw.ape.view(), cw.norm_w.view()};
 }
 k::CompressorMetadata compressor_meta(Case& cs, int which) {
   StatePool& sp = state_pool(cs, which);
-  const auto& slots = which == 4 ? cs.c4_cmp_slots : (which == 128 ? cs.c128_cmp_slots : cs.idx_slots);
+  const auto& slots =
+      which == 4 ? cs.c4_cmp_slots : (which == 128 ? cs.c128_cmp_slots : cs.idx_slots);
   return {td::paged::StepShape{cs.batch, cs.seq, -1}, cs.positions.view(), sp.slots.view(),
           slots.view(), sp.table.view()};
 }
@@ -91,8 +95,10 @@ TdRunner make_td_indexer(const Weights& w, Case& cs, const td::cpu::Context* ctx
   auto topk = std::make_shared<Tensor<std::int32_t, 2>>(std::array<index_t, 2>{T, cfg.idx_topk});
   auto vis = std::make_shared<Tensor<std::int32_t, 1>>(std::array<index_t, 1>{T});
   TdRunner r;
-  const auto q3 = ConstView<std::int8_t, 2>(cs.q_i8.view()).reshape<3>({T, cfg.idx_n_heads, cfg.idx_head_dim});
-  const ConstView<float, 2> qsc = ConstView<float, 1>(cs.q_sc.view()).reshape<2>({T, cfg.idx_n_heads});
+  const auto q3 =
+      ConstView<std::int8_t, 2>(cs.q_i8.view()).reshape<3>({T, cfg.idx_n_heads, cfg.idx_head_dim});
+  const ConstView<float, 2> qsc =
+      ConstView<float, 1>(cs.q_sc.view()).reshape<2>({T, cfg.idx_n_heads});
 #if TDPEER_HAVE_INDEXER
   (void)vis;
   r.impl = "kernel";
@@ -110,7 +116,8 @@ TdRunner make_td_indexer(const Weights& w, Case& cs, const td::cpu::Context* ctx
                               cs.idx_sc.view(), cs.idx_table.view(), cs.positions.view(),
                               cs.kv_seq_lens.view(), cs.seq);
     for (index_t t = 0; t < T; ++t)
-      vis->data()[t] = td::golden::indexer_visible_rows(cfg, cs.positions.data()[t], cs.kv_seq_lens.data()[t / cs.seq]);
+      vis->data()[t] = td::golden::indexer_visible_rows(cfg, cs.positions.data()[t],
+                                                        cs.kv_seq_lens.data()[t / cs.seq]);
     k::topk_rows(*ctx, topk->view(), score->view(), vis->view(), cfg.idx_topk, 0);
   };
 #endif
@@ -122,7 +129,8 @@ TdRunner make_td_attention(const Weights& w, Case& cs, int ratio, const td::cpu:
                            int max_threads) {
   const ModelConfig& cfg = w.cfg;
   const index_t T = cs.tokens();
-  auto out = std::make_shared<Tensor<bf16, 2>>(std::array<index_t, 2>{index_t(cfg.o_groups) * T, cfg.o_group_in()});
+  auto out = std::make_shared<Tensor<bf16, 2>>(
+      std::array<index_t, 2>{index_t(cfg.o_groups) * T, cfg.o_group_in()});
   auto ws = std::make_shared<std::vector<std::byte>>(
       k::sparse_attention_workspace_bytes(cfg, std::size_t(max_threads)));
   const auto& rope = ratio == 0 ? w.rope_swa : w.rope_csa;
@@ -182,8 +190,10 @@ Runner make_golden_indexer(const Weights& w, Case& cs) {
   const index_t T = cs.tokens();
   auto score = std::make_shared<Tensor<float, 2>>(std::array<index_t, 2>{T, cfg.score_len()});
   auto topk = std::make_shared<Tensor<std::int32_t, 2>>(std::array<index_t, 2>{T, cfg.idx_topk});
-  const auto q3 = ConstView<std::int8_t, 2>(cs.q_i8.view()).reshape<3>({T, cfg.idx_n_heads, cfg.idx_head_dim});
-  const ConstView<float, 2> qsc = ConstView<float, 1>(cs.q_sc.view()).reshape<2>({T, cfg.idx_n_heads});
+  const auto q3 =
+      ConstView<std::int8_t, 2>(cs.q_i8.view()).reshape<3>({T, cfg.idx_n_heads, cfg.idx_head_dim});
+  const ConstView<float, 2> qsc =
+      ConstView<float, 1>(cs.q_sc.view()).reshape<2>({T, cfg.idx_n_heads});
   Runner r;
   r.run = [=, &cs, &cfg] {
     td::golden::indexer_score(cfg, score->view(), q3, qsc, cs.w.view(), cs.idx_kv.view(),
@@ -199,7 +209,8 @@ Runner make_golden_indexer(const Weights& w, Case& cs) {
 Runner make_golden_attention(const Weights& w, Case& cs, int ratio) {
   const ModelConfig& cfg = w.cfg;
   const index_t T = cs.tokens();
-  auto out = std::make_shared<Tensor<bf16, 2>>(std::array<index_t, 2>{index_t(cfg.o_groups) * T, cfg.o_group_in()});
+  auto out = std::make_shared<Tensor<bf16, 2>>(
+      std::array<index_t, 2>{index_t(cfg.o_groups) * T, cfg.o_group_in()});
   const auto& rope = ratio == 0 ? w.rope_swa : w.rope_csa;
   Runner r;
   r.run = [=, &cs, &w, &cfg, &rope] {
@@ -214,11 +225,12 @@ Runner make_golden_attention(const Weights& w, Case& cs, int ratio) {
 
 Runner make_golden_oproj(const Weights& w, Case& cs) {
   const ModelConfig& cfg = w.cfg;
-  auto out = std::make_shared<Tensor<bf16, 2>>(std::array<index_t, 2>{index_t(cs.tokens()), cfg.hidden});
+  auto out =
+      std::make_shared<Tensor<bf16, 2>>(std::array<index_t, 2>{index_t(cs.tokens()), cfg.hidden});
   Runner r;
   r.run = [=, &cs, &w, &cfg] {
-    td::golden::output_projection(cfg, out->view(), cs.o_packed.view(), w.wo_a.view(), w.wo_b.view(),
-                                  w.wo_b_scale.view());
+    td::golden::output_projection(cfg, out->view(), cs.o_packed.view(), w.wo_a.view(),
+                                  w.wo_b.view(), w.wo_b_scale.view());
   };
   r.output = [out] { return floats(*out); };
   return r;
@@ -249,7 +261,8 @@ TdRunner make_td_layer(const LayerModel& m, LayerCase& lc, const td::cpu::Contex
                        int max_threads) {
   const ModelConfig& cfg = m.cfg;
   const index_t T = lc.shape.tokens();
-  auto ws = std::make_shared<td::decode::Workspace>(cfg, lc.batch, lc.seq, std::size_t(max_threads));
+  auto ws =
+      std::make_shared<td::decode::Workspace>(cfg, lc.batch, lc.seq, std::size_t(max_threads));
   auto out = std::make_shared<Tensor<float, 3>>(std::array<index_t, 3>{T, 4, cfg.hidden});
   auto weights = std::make_shared<td::decode::LayerWeights>(m.w.view());
   auto caches = std::make_shared<td::decode::LayerCaches>(lc.caches.view());
@@ -257,11 +270,10 @@ TdRunner make_td_layer(const LayerModel& m, LayerCase& lc, const td::cpu::Contex
   r.impl = "kernel";
   r.run = [=, &lc, &m, &cfg] {
     const td::decode::Backend be{td::decode::BackendKind::cpu, *ctx};
-    td::decode::csa_step(be, out->view(), lc.x_hc.view(), *weights, *caches, lc.md, m.rope.view(), *ws, cfg);
+    td::decode::csa_step(be, out->view(), lc.x_hc.view(), *weights, *caches, lc.md, m.rope.view(),
+                         *ws, cfg);
   };
-  r.output = [out] {
-    return std::vector<float>(out->data(), out->data() + out->size());
-  };
+  r.output = [out] { return std::vector<float>(out->data(), out->data() + out->size()); };
   return r;
 }
 
@@ -276,9 +288,7 @@ Runner make_golden_layer(const LayerModel& m, LayerCase& lc) {
     td::golden::decode_layer(out->view(), lc.x_hc.view(), *weights, *caches, lc.starts, lc.shape,
                              lc.fx.tables(), m.rope.view(), cfg);
   };
-  r.output = [out] {
-    return std::vector<float>(out->data(), out->data() + out->size());
-  };
+  r.output = [out] { return std::vector<float>(out->data(), out->data() + out->size()); };
   return r;
 }
 

@@ -39,11 +39,16 @@ bool threw_error(auto&& call) {
 template <class I>
 I slot_value(FuzzedDataProvider& in, index_t rows) {
   switch (in.ConsumeIntegralInRange(0, 9)) {
-    case 0: return I(-1);
-    case 1: return I(-2);
-    case 2: return static_cast<I>(rows);
-    case 3: return in.ConsumeIntegral<I>();
-    default: return static_cast<I>(in.ConsumeIntegralInRange<index_t>(-1, std::max<index_t>(0, rows - 1)));
+    case 0:
+      return I(-1);
+    case 1:
+      return I(-2);
+    case 2:
+      return static_cast<I>(rows);
+    case 3:
+      return in.ConsumeIntegral<I>();
+    default:
+      return static_cast<I>(in.ConsumeIntegralInRange<index_t>(-1, std::max<index_t>(0, rows - 1)));
   }
 }
 
@@ -159,7 +164,8 @@ template <class E>
 void fuzz_gather_windows(FuzzedDataProvider& in, index_t pool_rows, index_t width, index_t pad) {
   static td::ThreadPool pool3(3);
   Pool<E> pool(pool_rows, width, pad);
-  const index_t T = in.ConsumeIntegralInRange<index_t>(0, 9), K = in.ConsumeIntegralInRange<index_t>(0, 9);
+  const index_t T = in.ConsumeIntegralInRange<index_t>(0, 9),
+                K = in.ConsumeIntegralInRange<index_t>(0, 9);
   const index_t dst_k = in.ConsumeProbability<float>() < 0.05f ? K + 1 : K;
   std::vector<std::int32_t> idx(std::size_t(T * K));
   for (auto& s : idx) s = slot_value<std::int32_t>(in, pool_rows);
@@ -207,7 +213,8 @@ void fuzz_gather_logical(FuzzedDataProvider& in, index_t blocks, index_t page, i
   const index_t pool_rows = blocks * page + extra;
   Pool<E> pool(pool_rows, width, pad);
   static constexpr index_t kPages[] = {1, 4, 7, 0};
-  const index_t call_page = in.ConsumeProbability<float>() < 0.05f ? in.PickValueInArray(kPages) : page;
+  const index_t call_page =
+      in.ConsumeProbability<float>() < 0.05f ? in.PickValueInArray(kPages) : page;
   const index_t cols = in.ConsumeIntegralInRange<index_t>(0, 8);
   std::vector<std::int32_t> table(static_cast<std::size_t>(cols));
   for (auto& e : table) e = slot_value<std::int32_t>(in, blocks);
@@ -261,11 +268,16 @@ void fuzz_all(FuzzedDataProvider& in) {
   const index_t pad = in.ConsumeIntegralInRange<index_t>(0, 3);
   const index_t pool_rows = blocks * page;
   switch (in.ConsumeIntegralInRange(0, 4)) {
-    case 0: return fuzz_write<E>(in, pool_rows, width, pad);
-    case 1: return fuzz_gather_rows<E, std::int32_t>(in, pool_rows, width, pad);
-    case 2: return fuzz_gather_rows<E, std::int64_t>(in, pool_rows, width, pad);
-    case 3: return fuzz_gather_windows<E>(in, pool_rows, width, pad);
-    default: return fuzz_gather_logical<E>(in, blocks, page, width, pad);
+    case 0:
+      return fuzz_write<E>(in, pool_rows, width, pad);
+    case 1:
+      return fuzz_gather_rows<E, std::int32_t>(in, pool_rows, width, pad);
+    case 2:
+      return fuzz_gather_rows<E, std::int64_t>(in, pool_rows, width, pad);
+    case 3:
+      return fuzz_gather_windows<E>(in, pool_rows, width, pad);
+    default:
+      return fuzz_gather_logical<E>(in, blocks, page, width, pad);
   }
 }
 
@@ -275,9 +287,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   g_verbose = std::getenv("TDFUZZ_DUMP") != nullptr;
   FuzzedDataProvider in(data, size);
   switch (in.ConsumeIntegralInRange(0, 2)) {
-    case 0: fuzz_all<std::uint16_t>(in); break;  // BF16 rows
-    case 1: fuzz_all<std::int8_t>(in); break;    // INT8 index rows
-    default: fuzz_all<float>(in); break;         // FP32 state rows / scales
+    case 0:
+      fuzz_all<std::uint16_t>(in);
+      break;  // BF16 rows
+    case 1:
+      fuzz_all<std::int8_t>(in);
+      break;  // INT8 index rows
+    default:
+      fuzz_all<float>(in);
+      break;  // FP32 state rows / scales
   }
   return 0;
 }

@@ -17,8 +17,8 @@ namespace tdfuzz {
   std::abort();
 }
 
-#define TDFUZZ_CHECK(cond, ...) \
-  do {                          \
+#define TDFUZZ_CHECK(cond, ...)                                    \
+  do {                                                             \
     if (!(cond)) ::tdfuzz::fail(#cond __VA_OPT__(, ) __VA_ARGS__); \
   } while (0)
 

@@ -57,14 +57,22 @@ struct Mix {
 
 float special(FuzzedDataProvider& in, float normal_value) {
   switch (in.ConsumeIntegralInRange(0, 15)) {
-    case 0: return std::numeric_limits<float>::quiet_NaN();
-    case 1: return std::numeric_limits<float>::infinity();
-    case 2: return -std::numeric_limits<float>::infinity();
-    case 3: return 0.0f;
-    case 4: return -0.0f;
-    case 5: return td::kNegBig;
-    case 6: return -1.0f;
-    default: return normal_value;
+    case 0:
+      return std::numeric_limits<float>::quiet_NaN();
+    case 1:
+      return std::numeric_limits<float>::infinity();
+    case 2:
+      return -std::numeric_limits<float>::infinity();
+    case 3:
+      return 0.0f;
+    case 4:
+      return -0.0f;
+    case 5:
+      return td::kNegBig;
+    case 6:
+      return -1.0f;
+    default:
+      return normal_value;
   }
 }
 
@@ -97,8 +105,8 @@ void fuzz_topk_rows(FuzzedDataProvider& in, Mix& mix, const td::cpu::Context& ct
   const index_t n = in.ConsumeIntegralInRange<index_t>(0, 600);
   const int k = in.ConsumeIntegralInRange<int>(-1, int(n) + 1);
   const index_t width = std::max<index_t>(0, k + in.ConsumeIntegralInRange<index_t>(-1, 5));
-  static constexpr std::int32_t kOffsets[] = {0, 128, std::numeric_limits<std::int32_t>::max() - 600,
-                                              -1};
+  static constexpr std::int32_t kOffsets[] = {0, 128,
+                                              std::numeric_limits<std::int32_t>::max() - 600, -1};
   const std::int32_t offset = in.PickValueInArray(kOffsets);
   const int distinct = in.ConsumeIntegralInRange(1, 40);  // few distinct values → many ties
   std::vector<float> score(static_cast<std::size_t>(rows * n));
@@ -127,7 +135,8 @@ void fuzz_topk_rows(FuzzedDataProvider& in, Mix& mix, const td::cpu::Context& ct
     std::vector<std::int32_t> want(static_cast<std::size_t>(width));
     td::golden::topk_row(want, std::span<const float>(score.data() + r * n, std::size_t(vlen[r])),
                          k, offset);
-    check_topk(dst.data() + r * width, want.data(), width, score.data() + r * n, vlen[r], k, offset);
+    check_topk(dst.data() + r * width, want.data(), width, score.data() + r * n, vlen[r], k,
+               offset);
   }
 }
 
@@ -145,11 +154,11 @@ void fuzz_score_and_topk(FuzzedDataProvider& in, Mix& mix, const td::cpu::Contex
   std::vector<std::int32_t> pos(static_cast<std::size_t>(T)), kvl(static_cast<std::size_t>(B));
   for (auto& p : pos) {
     p = in.ConsumeProbability<float>() < 0.03f ? (in.ConsumeBool() ? -1 : cfg.max_seq_len)
-                                              : in.ConsumeIntegralInRange(0, cfg.max_seq_len - 1);
+                                               : in.ConsumeIntegralInRange(0, cfg.max_seq_len - 1);
   }
   for (auto& l : kvl) {
     l = in.ConsumeProbability<float>() < 0.03f ? (in.ConsumeBool() ? -1 : cfg.max_seq_len + 1)
-                                              : in.ConsumeIntegralInRange(0, cfg.max_seq_len);
+                                               : in.ConsumeIntegralInRange(0, cfg.max_seq_len);
   }
   const index_t blocks = in.ConsumeIntegralInRange<index_t>(1, 4);
   const index_t pool_rows = blocks * page + (in.ConsumeProbability<float>() < 0.03f ? 5 : 0);
@@ -160,10 +169,12 @@ void fuzz_score_and_topk(FuzzedDataProvider& in, Mix& mix, const td::cpu::Contex
             ? std::int32_t(in.ConsumeBool() ? -2 : blocks)
             : std::int32_t(in.ConsumeIntegralInRange<index_t>(-1, blocks - 1));
   }
-  std::vector<std::int8_t> q(static_cast<std::size_t>(T * H * 128)), kc(static_cast<std::size_t>(pool_rows * 128));
+  std::vector<std::int8_t> q(static_cast<std::size_t>(T * H * 128)),
+      kc(static_cast<std::size_t>(pool_rows * 128));
   for (auto& v : q) v = std::int8_t(mix.next());  // every int8 value, -128 included
   for (auto& v : kc) v = std::int8_t(mix.next());
-  std::vector<float> qs(static_cast<std::size_t>(T * H)), w(static_cast<std::size_t>(T * H)), ks(static_cast<std::size_t>(pool_rows));
+  std::vector<float> qs(static_cast<std::size_t>(T * H)), w(static_cast<std::size_t>(T * H)),
+      ks(static_cast<std::size_t>(pool_rows));
   const bool specials = in.ConsumeProbability<float>() < 0.3f;
   for (auto& v : qs) v = 1e-4f + mix.unit() * 0.05f;
   for (auto& v : w) v = (mix.unit() - 0.5f) * 4.0f;
@@ -172,9 +183,14 @@ void fuzz_score_and_topk(FuzzedDataProvider& in, Mix& mix, const td::cpu::Contex
     const int n_special = in.ConsumeIntegralInRange(1, 4);
     for (int i = 0; i < n_special; ++i) {
       switch (in.ConsumeIntegralInRange(0, 2)) {
-        case 0: qs[in.ConsumeIntegralInRange<std::size_t>(0, qs.size() - 1)] = special(in, 0.0f); break;
-        case 1: w[in.ConsumeIntegralInRange<std::size_t>(0, w.size() - 1)] = special(in, 1e30f); break;
-        default: ks[in.ConsumeIntegralInRange<std::size_t>(0, ks.size() - 1)] = special(in, 1e30f);
+        case 0:
+          qs[in.ConsumeIntegralInRange<std::size_t>(0, qs.size() - 1)] = special(in, 0.0f);
+          break;
+        case 1:
+          w[in.ConsumeIntegralInRange<std::size_t>(0, w.size() - 1)] = special(in, 1e30f);
+          break;
+        default:
+          ks[in.ConsumeIntegralInRange<std::size_t>(0, ks.size() - 1)] = special(in, 1e30f);
       }
     }
   }
@@ -205,9 +221,8 @@ void fuzz_score_and_topk(FuzzedDataProvider& in, Mix& mix, const td::cpu::Contex
   }
   tdfuzz::Guarded<float> score(static_cast<std::size_t>(T * N), kFill);
   td::View<float, 2> sv(score.data(), {T, N});
-  const bool threw = threw_error([&] {
-    tk::indexer_score(ctx, cfg, sv, qv, qsv, wv, kcv, ksv, tv, pv, lv, seq);
-  });
+  const bool threw =
+      threw_error([&] { tk::indexer_score(ctx, cfg, sv, qv, qsv, wv, kcv, ksv, tv, pv, lv, seq); });
   TDFUZZ_CHECK(threw == !valid, threw);
   TDFUZZ_CHECK(score.canaries_intact());
   if (threw) {
@@ -240,8 +255,10 @@ void fuzz_score_and_topk(FuzzedDataProvider& in, Mix& mix, const td::cpu::Contex
         double mag = 0;
         for (index_t h = 0; h < H; ++h) {
           std::int64_t dot = 0;
-          for (index_t d = 0; d < 128; ++d) dot += std::int64_t(q[(t * H + h) * 128 + d]) * kc[row * 128 + d];
-          mag += std::fabs(double(w[t * H + h])) * std::max(0.0, double(qs[t * H + h]) * double(dot));
+          for (index_t d = 0; d < 128; ++d)
+            dot += std::int64_t(q[(t * H + h) * 128 + d]) * kc[row * 128 + d];
+          mag +=
+              std::fabs(double(w[t * H + h])) * std::max(0.0, double(qs[t * H + h]) * double(dot));
         }
         mag *= std::fabs(double(ks[row]));
         if (!std::isfinite(mag) || !std::isfinite(e)) continue;  // overflow: only NaN-ness matters
@@ -257,8 +274,8 @@ void fuzz_score_and_topk(FuzzedDataProvider& in, Mix& mix, const td::cpu::Contex
   } else {
     for (auto& v : sc) v = mix.next() % 8 == 0 ? special(in, 1.0f) : float(mix.next() % 9);
   }
-  const int topk = in.ConsumeProbability<float>() < 0.05f ? int(N) + 1
-                                                          : in.ConsumeIntegralInRange(1, int(N));
+  const int topk =
+      in.ConsumeProbability<float>() < 0.05f ? int(N) + 1 : in.ConsumeIntegralInRange(1, int(N));
   const index_t width = topk + in.ConsumeIntegralInRange<index_t>(0, 3);
   const std::int32_t offset = in.ConsumeBool() ? 0 : 128;
   tdfuzz::Guarded<std::int32_t> sel(static_cast<std::size_t>(T * width), kFill);
@@ -274,8 +291,8 @@ void fuzz_score_and_topk(FuzzedDataProvider& in, Mix& mix, const td::cpu::Contex
     return;
   }
   std::vector<std::int32_t> want(static_cast<std::size_t>(T * width));
-  td::golden::indexer_topk(cfg, td::View<std::int32_t, 2>(want.data(), {T, width}), scv, pv, lv, seq,
-                           topk, offset);
+  td::golden::indexer_topk(cfg, td::View<std::int32_t, 2>(want.data(), {T, width}), scv, pv, lv,
+                           seq, topk, offset);
   for (index_t t = 0; t < T; ++t)
     check_topk(sel.data() + t * width, want.data() + t * width, width, sc.data() + t * N,
                std::min<index_t>(vis[t], N), topk, offset);
@@ -290,7 +307,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Mix mix{in.ConsumeIntegral<std::uint64_t>()};
   const bool avx2 = td::cpu::cpu_has_avx2() && in.ConsumeBool();
   const td::cpu::Isa isa = avx2 ? td::cpu::Isa::avx2 : td::cpu::Isa::scalar;
-  const td::cpu::Isa other = td::cpu::cpu_has_avx2() && !avx2 ? td::cpu::Isa::avx2 : td::cpu::Isa::scalar;
+  const td::cpu::Isa other =
+      td::cpu::cpu_has_avx2() && !avx2 ? td::cpu::Isa::avx2 : td::cpu::Isa::scalar;
   const bool threads = in.ConsumeBool();
   const td::cpu::Context ctx{threads ? &pool3 : nullptr, isa};
   const td::cpu::Context other_ctx{threads ? nullptr : &pool3, other};

@@ -30,12 +30,18 @@ void note(const td::Error& e) {
 // An int32 biased toward the interesting edges of [lo, hi).
 std::int32_t edge_int(FuzzedDataProvider& in, std::int64_t lo, std::int64_t hi) {
   switch (in.ConsumeIntegralInRange(0, 7)) {
-    case 0: return static_cast<std::int32_t>(lo - 1);
-    case 1: return static_cast<std::int32_t>(lo);
-    case 2: return static_cast<std::int32_t>(hi - 1);
-    case 3: return static_cast<std::int32_t>(hi);
-    case 4: return in.ConsumeIntegral<std::int32_t>();
-    case 5: return -1;
+    case 0:
+      return static_cast<std::int32_t>(lo - 1);
+    case 1:
+      return static_cast<std::int32_t>(lo);
+    case 2:
+      return static_cast<std::int32_t>(hi - 1);
+    case 3:
+      return static_cast<std::int32_t>(hi);
+    case 4:
+      return in.ConsumeIntegral<std::int32_t>();
+    case 5:
+      return -1;
     default:
       return static_cast<std::int32_t>(in.ConsumeIntegralInRange<std::int64_t>(lo - 2, hi + 1));
   }
@@ -287,10 +293,12 @@ void fuzz_window(const Case& k) {
 
 // TDFUZZ_DUMP=1 prints each decoded case (for reproducing a failure by hand).
 void dump(const Case& k) {
-  std::fprintf(stderr, "cfg page=%d window=%d max_seq_len=%d; B=%d S=%d commit=%d; num_blocks=%lld"
-               " ratio=%d state_page=%d len_delta=%d\nstart:", k.cfg.page, k.cfg.window,
-               k.cfg.max_seq_len, k.sh.batch, k.sh.seq, k.sh.commit_tokens,
-               static_cast<long long>(k.num_blocks), k.ratio, k.state_page, k.len_delta);
+  std::fprintf(stderr,
+               "cfg page=%d window=%d max_seq_len=%d; B=%d S=%d commit=%d; num_blocks=%lld"
+               " ratio=%d state_page=%d len_delta=%d\nstart:",
+               k.cfg.page, k.cfg.window, k.cfg.max_seq_len, k.sh.batch, k.sh.seq,
+               k.sh.commit_tokens, static_cast<long long>(k.num_blocks), k.ratio, k.state_page,
+               k.len_delta);
   for (auto s : k.start) std::fprintf(stderr, " %d", s);
   std::fprintf(stderr, "\npos:");
   for (auto p : k.pos) std::fprintf(stderr, " %d", p);

@@ -75,11 +75,17 @@ const td::RopeTable& rope(LayerKind kind) {
 
 std::int32_t any_id(FuzzedDataProvider& in, index_t valid_hi) {
   switch (in.ConsumeIntegralInRange(0, 11)) {
-    case 0: return -1;
-    case 1: return -2;
-    case 2: return std::int32_t(valid_hi);
-    case 3: return in.ConsumeIntegral<std::int32_t>();
-    default: return std::int32_t(in.ConsumeIntegralInRange<index_t>(0, std::max<index_t>(0, valid_hi - 1)));
+    case 0:
+      return -1;
+    case 1:
+      return -2;
+    case 2:
+      return std::int32_t(valid_hi);
+    case 3:
+      return in.ConsumeIntegral<std::int32_t>();
+    default:
+      return std::int32_t(
+          in.ConsumeIntegralInRange<index_t>(0, std::max<index_t>(0, valid_hi - 1)));
   }
 }
 
@@ -113,25 +119,32 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
   // Metadata: mostly plausible, any value possible.
   std::vector<std::int32_t> pos(static_cast<std::size_t>(T)), lens(static_cast<std::size_t>(B));
-  std::vector<std::int32_t> wlen(static_cast<std::size_t>(T)), widx(static_cast<std::size_t>(T * W));
+  std::vector<std::int32_t> wlen(static_cast<std::size_t>(T)),
+      widx(static_cast<std::size_t>(T * W));
   for (auto& p : pos) {
-    p = in.ConsumeProbability<float>() < 0.03f ? (in.ConsumeBool() ? -1 : cfg.max_seq_len)
-                                              : std::int32_t(mix.next() % std::uint64_t(cfg.max_seq_len));
+    p = in.ConsumeProbability<float>() < 0.03f
+            ? (in.ConsumeBool() ? -1 : cfg.max_seq_len)
+            : std::int32_t(mix.next() % std::uint64_t(cfg.max_seq_len));
   }
   for (auto& l : lens) {
-    l = in.ConsumeProbability<float>() < 0.03f ? (in.ConsumeBool() ? -1 : cfg.max_seq_len + 1)
-                                              : std::int32_t(mix.next() % std::uint64_t(cfg.max_seq_len + 1));
+    l = in.ConsumeProbability<float>() < 0.03f
+            ? (in.ConsumeBool() ? -1 : cfg.max_seq_len + 1)
+            : std::int32_t(mix.next() % std::uint64_t(cfg.max_seq_len + 1));
   }
-  for (auto& l : wlen) l = in.ConsumeProbability<float>() < 0.03f ? std::int32_t(W + 1)
-                                                                  : in.ConsumeIntegralInRange<std::int32_t>(0, std::int32_t(W));
+  for (auto& l : wlen)
+    l = in.ConsumeProbability<float>() < 0.03f
+            ? std::int32_t(W + 1)
+            : in.ConsumeIntegralInRange<std::int32_t>(0, std::int32_t(W));
   const bool wild_window = in.ConsumeProbability<float>() < 0.3f;
   for (auto& v : widx) {
-    v = wild_window ? any_id(in, ori_rows)
-                    : (mix.next() % 8 == 0 ? -1 : std::int32_t(mix.next() % std::uint64_t(ori_rows)));
+    v = wild_window
+            ? any_id(in, ori_rows)
+            : (mix.next() % 8 == 0 ? -1 : std::int32_t(mix.next() % std::uint64_t(ori_rows)));
   }
   const index_t cmp_cols = in.ConsumeIntegralInRange<index_t>(0, 3);
   std::vector<std::int32_t> cmp_table(static_cast<std::size_t>(B * cmp_cols));
-  for (auto& e : cmp_table) e = in.ConsumeIntegralInRange<std::int32_t>(-3, std::int32_t(cmp_blocks));
+  for (auto& e : cmp_table)
+    e = in.ConsumeIntegralInRange<std::int32_t>(-3, std::int32_t(cmp_blocks));
   const index_t topk_w = cfg.idx_topk - (in.ConsumeProbability<float>() < 0.03f ? 1 : 0);
   std::vector<std::int32_t> topk(static_cast<std::size_t>(T * topk_w));
   const bool wild_topk = in.ConsumeBool();
@@ -207,7 +220,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (index_t i = 0; i < out_rows * out_cols; ++i) {
     const float a = out[std::size_t(i)].to_float(), e = gold[std::size_t(i)].to_float();
     TDFUZZ_CHECK(std::isfinite(a), i);
-    TDFUZZ_CHECK(std::fabs(a - e) <= 1e-3f + std::fabs(e) / 64.0f, i, std::llround(double(a) * 1e6));
+    TDFUZZ_CHECK(std::fabs(a - e) <= 1e-3f + std::fabs(e) / 64.0f, i,
+                 std::llround(double(a) * 1e6));
   }
   return 0;
 }

@@ -12,8 +12,8 @@
 //   attn_norm, gamma_cq, gamma_ckv   normal(1, 0.1)
 //   wq_a, wkv, wo_a                  normal, std 0.02
 //   wq_b, wo_b, idx_wq_b             INT8 uniform in [-127, 127]; per-column/channel scales
-//                                    uniform in ±25 % around 1/(127·sqrt(K)) (so the dequantised
-//                                    product has about unit variance per input unit)
+//                                    uniform in ±25 % around 1/(127·sqrt(K)) (wq_b, idx_wq_b) and
+//                                    0.125/(73·sqrt(K)) (wo_b: attn_out ≈ 1/8 of the residual RMS)
 //   CSA main compressor  wkv std 0.0245, wgate 0.0388, ape 0.1243, norm_w normal(0.9666, 0.19)
 //   indexer inner        wkv std 0.0293, wgate 0.0512, ape 0.1528, norm_w normal(0.685, 0.26)
 //   HCA compressor       the CSA main statistics (the spec lists none of its own)
@@ -160,8 +160,12 @@ inline void fill_weights(const cpu::Context& ctx, LayerWeightsStorage& w, const 
   for (auto& s : w.attn_sink.flat()) s = w.kind == LayerKind::csa ? 4.0f : 0.0f;
   fill_normal(ctx, w.wo_a.flat(), key(kWoA), 0.0f, 0.02f);
   fill_int8(ctx, w.wo_b.flat(), key(kWoB));
+  // attn_out RMS ≈ 1/8 of the residual stream's (unit) RMS when the attention output is a single
+  // unit-RMS KV row (short contexts; it is smaller at long ones): the attention branch is small
+  // next to the residual in a trained model. With attn_out as large as the residual, one BF16 ulp
+  // of attn_out (0.4 %) exceeds the spec's x_out tolerance (3e-3) on its own.
   fill_scale(ctx, w.wo_b_scale.flat(), key(kWoBScale),
-             1.0f / (73.0f * std::sqrt(float(cfg.o_groups) * float(cfg.o_lora))));
+             0.125f / (73.0f * std::sqrt(float(cfg.o_groups) * float(cfg.o_lora))));
   if (w.kind == LayerKind::swa) return;
   fill_normal(ctx, w.cmp_wkv.flat(), key(kCmpWkv), 0.0f, 0.0245f);
   fill_normal(ctx, w.cmp_wgate.flat(), key(kCmpWgate), 0.0f, 0.0388f);

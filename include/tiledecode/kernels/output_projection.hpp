@@ -8,14 +8,14 @@
 //
 // Three phases, each parallel over a shape-only split (bit-identical for any thread count):
 //   1. o_packed → FP32 once (workspace), so the wo_a loop reads activations without conversion;
-//   2. wo_a: tasks of (group, 32 rows); K in chunks of 512 so the activation chunk of up to 8
-//      tokens stays in L1 while every weight vector is widened once and used by all of them;
-//      then Q8 per (token, group);
+//   2. wo_a: tasks of (group, 32 rows); register tiles of 3 weight rows × 4 tokens (each weight
+//      vector widened once per 4 tokens, each activation vector loaded once per 3 rows), whole
+//      rows per tile so the weights stream as a few long runs; then Q8 per (token, group);
 //   3. wo_b: tasks of 32 output channels; two weight rows × up to 4 tokens per register tile.
 // At decode sizes (T = 8) every weight is read once per call: 64 MiB (flash wo_a, BF16) + 32 MiB
-// (wo_b, INT8) against 2·T FLOP per weight element, so the call is bound by weight read bandwidth
-// once two or more cores share the memory bus, and by the FP32 FMA rate of the wo_a phase on one
-// core (see docs/sparse_attention.md).
+// (wo_b, INT8) against 2·T operations per weight element. On one core of the development machine
+// the compute roofline (wo_a FMA + wo_b INT8) is longer than the read roofline, so the call is
+// compute-bound there; see docs/sparse_attention.md for the measured shares.
 // NaN policy: inputs are not scanned; a NaN in o_r makes Q8 of that (token, group) unspecified
 // (core/quant.hpp), so the corresponding outputs are unspecified but finite-typed.
 
@@ -39,8 +39,8 @@ namespace tiledecode::kernels {
 namespace output_projection_detail {
 
 inline constexpr int kRowsPerTask = 32;  // wo_a rows per task
-inline constexpr int kKChunk = 512;      // wo_a reduction chunk (activations in L1)
-inline constexpr int kTokTile = 8;       // tokens sharing one widened weight vector
+inline constexpr int kKChunk = 4096;  // wo_a reduction chunk (whole rows: few, long weight streams)
+inline constexpr int kTokTile = 8;    // tokens sharing one widened weight vector
 inline constexpr int kChanPerTask = 32;  // wo_b output channels per task
 
 constexpr std::size_t round64(std::size_t n) {

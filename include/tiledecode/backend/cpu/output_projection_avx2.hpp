@@ -14,59 +14,67 @@
 #if TILEDECODE_X86
 namespace tiledecode::cpu::avx2 {
 
-// out[t * ldout + r] += Σ_{k < kc} o[t * ldo + k] · float(w[r * ldw + k]) for t < NT, r < nr.
-// Each weight vector is widened once and used by all NT tokens (the activation chunk, NT × kc
-// floats, stays in L1 across the rows).
-template <int NT>
+// out[t * ldout + r] += Σ_{k < kc} o[t * ldo + k] · float(w[r * ldw + k]) for t < NT, r < NR.
+// Register tile of NT tokens × NR weight rows (≤ 12 accumulators): per 8 k, NR weight vectors are
+// widened once and NT activation vectors loaded once, for NT·NR FMAs.
+template <int NT, int NR>
 TILEDECODE_TARGET_AVX2 inline void oproj_a_tile(float* out, std::int64_t ldout, const float* o,
                                                 std::int64_t ldo, const bf16* w, std::int64_t ldw,
-                                                int nr, int kc) {
-  for (int r = 0; r < nr; ++r) {
-    const bf16* wr = w + r * ldw;
-    __m256 acc[NT];
-    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-    for (int k = 0; k < kc; k += 8) {
-      const __m256 wv = load_bf16x8(wr + k);
-      for (int t = 0; t < NT; ++t)
-        acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(o + t * ldo + k), wv, acc[t]);
+                                                int kc) {
+  __m256 acc[NT][NR];
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) acc[t][r] = _mm256_setzero_ps();
+  for (int k = 0; k < kc; k += 8) {
+    __m256 wv[NR];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) wv[r] = load_bf16x8(w + r * ldw + k);
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      const __m256 ov = _mm256_loadu_ps(o + t * ldo + k);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) acc[t][r] = _mm256_fmadd_ps(ov, wv[r], acc[t][r]);
     }
-    for (int t = 0; t < NT; ++t) out[t * ldout + r] += hsum(acc[t]);
   }
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) out[t * ldout + r] += hsum(acc[t][r]);
 }
 
-TILEDECODE_TARGET_AVX2 inline void oproj_a_chunk(float* out, std::int64_t ldout, const float* o,
-                                                 std::int64_t ldo, int nt, const bf16* w,
-                                                 std::int64_t ldw, int nr, int kc) {
+template <int NR>
+TILEDECODE_TARGET_AVX2 inline void oproj_a_rows(float* out, std::int64_t ldout, const float* o,
+                                                std::int64_t ldo, int nt, const bf16* w,
+                                                std::int64_t ldw, int kc) {
   int t = 0;
-  for (; t + 8 <= nt; t += 8)
-    oproj_a_tile<8>(out + t * ldout, ldout, o + t * ldo, ldo, w, ldw, nr, kc);
+  for (; t + 4 <= nt; t += 4)
+    oproj_a_tile<4, NR>(out + t * ldout, ldout, o + t * ldo, ldo, w, ldw, kc);
   float* ot = out + t * ldout;
   const float* at = o + t * ldo;
   switch (nt - t) {
-    case 7:
-      oproj_a_tile<7>(ot, ldout, at, ldo, w, ldw, nr, kc);
-      break;
-    case 6:
-      oproj_a_tile<6>(ot, ldout, at, ldo, w, ldw, nr, kc);
-      break;
-    case 5:
-      oproj_a_tile<5>(ot, ldout, at, ldo, w, ldw, nr, kc);
-      break;
-    case 4:
-      oproj_a_tile<4>(ot, ldout, at, ldo, w, ldw, nr, kc);
-      break;
     case 3:
-      oproj_a_tile<3>(ot, ldout, at, ldo, w, ldw, nr, kc);
+      oproj_a_tile<3, NR>(ot, ldout, at, ldo, w, ldw, kc);
       break;
     case 2:
-      oproj_a_tile<2>(ot, ldout, at, ldo, w, ldw, nr, kc);
+      oproj_a_tile<2, NR>(ot, ldout, at, ldo, w, ldw, kc);
       break;
     case 1:
-      oproj_a_tile<1>(ot, ldout, at, ldo, w, ldw, nr, kc);
+      oproj_a_tile<1, NR>(ot, ldout, at, ldo, w, ldw, kc);
       break;
     default:
       break;
   }
+}
+
+// out (nt tokens, ldout) += o (nt, ldo) · w (nr rows, ldw)ᵀ over kc inputs (kc % 8 == 0).
+TILEDECODE_TARGET_AVX2 inline void oproj_a_chunk(float* out, std::int64_t ldout, const float* o,
+                                                 std::int64_t ldo, int nt, const bf16* w,
+                                                 std::int64_t ldw, int nr, int kc) {
+  int r = 0;
+  for (; r + 3 <= nr; r += 3) oproj_a_rows<3>(out + r, ldout, o, ldo, nt, w + r * ldw, ldw, kc);
+  if (nr - r == 2) oproj_a_rows<2>(out + r, ldout, o, ldo, nt, w + r * ldw, ldw, kc);
+  if (nr - r == 1) oproj_a_rows<1>(out + r, ldout, o, ldo, nt, w + r * ldw, ldw, kc);
 }
 
 // p[t * ldp + c] = Σ_{r < kr} a[t * lda + r] · w[c * ldw + r] (exact INT32) for t < NT, c < 2.
