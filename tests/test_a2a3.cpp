@@ -587,8 +587,9 @@ TEST(A2a3Cost, WeightStreamingKernelsAreHbmBound) {
 TEST(A2a3Layer, FrontKernelsAreTimedAndFunctionalModeIsRestored) {
   td::ModelConfig cfg = td::flash_config();
   a2::Machine m;
-  const auto ks = a2::layer_front_timing(m, cfg, 8);
-  EXPECT_EQ(ks.size(), 4u);
+  auto ks = a2::layer_pre_timing(m, cfg, 8);
+  EXPECT_EQ(ks.size(), 2u);
+  ks.push_back(a2::cache_write_timing(m, cfg, 8));
   for (const auto& k : ks) EXPECT_GT(k.latency_us(), a2::kArch.launch_overhead_us) << k.name;
   const auto post = a2::hc_post_timing(m, cfg, 8);
   EXPECT_GT(post.latency_us(), a2::kArch.launch_overhead_us);
@@ -826,7 +827,8 @@ TEST(A2a3QkvProjection, EqualsGolden) {
   for (auto& g : gk.flat()) g = td::bf16(rng.uniform(0.5f, 1.5f));
   rng.fill_int8(wq_b.flat());
   for (auto& s : wq_b_scale.flat()) s = rng.uniform(0.5f, 1.5f) / 127.0f / 32.0f;
-  const td::QkvWeights w{wq_a.view(), gq.view(), wq_b.view(), wq_b_scale.view(), wkv.view(), gk.view()};
+  const td::QkvWeights w{wq_a.view(),       gq.view(),  wq_b.view(),
+                         wq_b_scale.view(), wkv.view(), gk.view()};
   const td::RopeTable rope = td::make_rope_table(cfg, td::LayerKind::csa, cfg.max_seq_len);
   td::Tensor<std::int32_t, 1> pos({T});
   const std::int32_t p[8] = {8192, 8193, 0, 1, 2, 3, 3, 4};
@@ -835,11 +837,12 @@ TEST(A2a3QkvProjection, EqualsGolden) {
   td::Tensor<td::bf16, 2> kv({T, cfg.head_dim}), kvg({T, cfg.head_dim});
   td::Tensor<std::int8_t, 2> qr({T, QL}), qrg({T, QL});
   td::Tensor<float, 1> qs({T}), qsg({T});
-  td::golden::qkv_projection(qg.view(), kvg.view(), qrg.view(), qsg.view(), x_n.view(), w, rope.view(), pos.view(), cfg);
+  td::golden::qkv_projection(qg.view(), kvg.view(), qrg.view(), qsg.view(), x_n.view(), w,
+                             rope.view(), pos.view(), cfg);
   a2::Machine m;
   a2::QkvWorkspace ws(int(T), cfg);
-  const auto rep = a2::qkv_projection(m, q.view(), kv.view(), qr.view(), qs.view(), x_n.view(), w, rope.view(),
-                                      pos.view(), ws, cfg);
+  const auto rep = a2::qkv_projection(m, q.view(), kv.view(), qr.view(), qs.view(), x_n.view(), w,
+                                      rope.view(), pos.view(), ws, cfg);
   EXPECT_EQ(rep.launches.size(), 4u);
   auto f = [](const auto& t) { return tdtest::to_floats(std::span<const td::bf16>(t.flat())); };
   EXPECT_TRUE(tdtest::ratio_allclose(f(q), f(qg), 1e-4, 1.0 / 128, 0.0));

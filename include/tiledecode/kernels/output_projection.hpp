@@ -40,7 +40,7 @@ namespace output_projection_detail {
 
 inline constexpr int kRowsPerTask = 32;  // wo_a rows per task
 inline constexpr int kKChunk = 4096;  // wo_a reduction chunk (whole rows: few, long weight streams)
-inline constexpr int kTokTile = 8;    // tokens sharing one widened weight vector
+inline constexpr int kTokTile = 8;    // tokens per a_chunk call (register tiles of 4)
 inline constexpr int kChanPerTask = 32;  // wo_b output channels per task
 
 constexpr std::size_t round64(std::size_t n) {
@@ -64,8 +64,12 @@ struct ScalarOps {
                       const bf16* w, std::int64_t ldw, int nr, int kc) {
     for (int t = 0; t < nt; ++t)
       for (int r = 0; r < nr; ++r) {
+        // Eight interleaved partial sums (as the SIMD lanes): a single running FP32 sum over
+        // 4096 products drifts enough to flip Q8 roundings downstream.
+        float lane[8] = {};
+        for (int k = 0; k < kc; ++k) lane[k % 8] += o[t * ldo + k] * w[r * ldw + k].to_float();
         float acc = 0;
-        for (int k = 0; k < kc; ++k) acc += o[t * ldo + k] * w[r * ldw + k].to_float();
+        for (float v : lane) acc += v;
         out[t * ldout + r] += acc;
       }
   }

@@ -6,18 +6,22 @@
 // Algorithm (flash-decoding over 128-column blocks). The 64 (pro: 128) query heads share every
 // KV row (MQA, V = K), so one block of one token is a small GEMM pair for a tile of heads:
 //   S = Q·Kᵀ (heads × 512 · 512 × ≤128), P = bf16(exp(S − rowmax)), O_β = P·K
-// Work item = (token, tile of kHeadsPerItem heads). Per item and block the valid rows are
-// gathered (invalid columns are never read: their e is exactly 0 in the spec, so dropping them
-// is exact), converted BF16 → FP32 once into the item's workspace, and reused by every head of
-// the item. Block statistics merge online (§8.3) into an FP32 O accumulator per head, so no score
-// matrix larger than one block (heads × 128) exists. Blocks keep the spec's partition (columns
+// Work item = (token, tile of kHeadsPerItem = 64 heads). The item's queries are widened and
+// transposed once (512 × heads), so heads are the vector lanes of both GEMMs and each is a
+// broadcast-FMA register tile of 6 × 16 floats (backend/cpu/sparse_attention_avx2.hpp). Per item
+// and block the valid rows are gathered (invalid columns are never read: their e is exactly 0 in
+// the spec, so dropping them is exact), converted BF16 → FP32 once into the item's workspace and
+// reused by every head; the next block's rows are prefetched meanwhile. Block statistics merge
+// online (§8.3) into an FP32 O accumulator per head, so no score matrix larger than one block
+// (128 × heads) exists. Blocks keep the spec's partition (columns
 // 128β..128β+127 of the concatenated list) so the per-block maxima, and hence the BF16 rounding
 // of the probabilities, match the reference. An all-invalid block is skipped (its weight in the
 // merge is exactly 0 in the spec).
 //
-// Determinism: an item's result depends only on its inputs; items are distributed to
-// workspace slots round-robin, so outputs are bit-identical for any thread count and any slot
-// count.
+// Determinism: an item's result depends only on its inputs (and every head's arithmetic is the
+// same whatever tile it sits in); items are distributed to workspace slots round-robin, so
+// outputs are bit-identical for any thread count and any slot count.
+// Parallelism: T·ceil(H/64) items (B=4, S=2: 8 flash, 16 pro) over min(items, slots) tasks.
 //
 // Decisions where the spec leaves room (documented and tested):
 //  * Window column k of token t is valid iff k < window_lens[t] and window_idx[t,k] >= 0, for

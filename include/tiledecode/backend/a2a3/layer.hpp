@@ -5,9 +5,10 @@
 //   hc_pre -> rms_norm -> qkv_proj_rope -> cache write -> [compressor] -> [indexer] ->
 //   sparse_attn -> hc_post
 //
-// The compressors (compressor.hpp), the indexer (indexer.hpp) and sparse attention
-// (sparse_attention.hpp) are the functional, golden-checked schedules. The other kernels here -
-// hc_pre, rms_norm, qkv_proj_rope, the cache write, hc_post - are TIMING-ONLY tile programs: real
+// qkv_proj_rope (qkv_projection.hpp), the compressors (compressor.hpp), the indexer
+// (indexer.hpp) and sparse attention (sparse_attention.hpp) are the functional, golden-checked
+// schedules. The other kernels here - hc_pre, rms_norm, the cache write, hc_post - are
+// TIMING-ONLY tile programs: real
 // copies, mmads and vector ops of the real shapes, issued on the model's cores and timed by the
 // same cost model, but run with the machine in timing-only mode (no data is computed), because no
 // functional a2a3 schedule of them exists yet. Their weights stream from GM exactly once per
@@ -51,24 +52,6 @@ inline KernelReport rmsnorm_timing(Machine& m, const ModelConfig& cfg, index_t T
   return m.end_kernel();
 }
 
-// qkv_proj_rope (§4.3): q LoRA (BF16 wq_a, RMSNorm + Q8, INT8 wq_b, dequant + per-head RMSNorm +
-// RoPE) and kv (BF16 wkv, RMSNorm + RoPE).
-inline KernelReport qkv_proj_rope_timing(Machine& m, const ModelConfig& cfg, index_t T) {
-  detail::TimingOnly off(m);
-  const index_t D = cfg.hidden, QL = cfg.q_lora, HQ = index_t(cfg.n_heads) * cfg.head_dim;
-  const int lanes = m.arch().cube_cores;
-  m.begin_kernel("qkv_proj_rope");
-  detail::gemm_timing<bf16>(m, "qkv.q_a_mm", T, QL, D, lanes);
-  detail::vector_timing(m, "qkv.q_norm_quant", int(T), QL * 4, QL + 4, QL, 5);
-  detail::gemm_timing<std::int8_t>(m, "qkv.q_b_mm", T, HQ, QL, lanes);
-  detail::vector_timing(m, "qkv.q_dequant_norm_rope", int(T * 4), HQ / 4 * 4 * 2, HQ / 4 * 2,
-                        HQ / 4, 7);
-  detail::gemm_timing<bf16>(m, "qkv.kv_mm", T, cfg.head_dim, D, lanes);
-  detail::vector_timing(m, "qkv.kv_norm_rope", int(T), cfg.head_dim * 4, cfg.head_dim * 2,
-                        cfg.head_dim, 6);
-  return m.end_kernel();
-}
-
 // Write of the new kv rows into the paged cache (§3.3): one 1 KiB row per token.
 inline KernelReport cache_write_timing(Machine& m, const ModelConfig& cfg, index_t T) {
   detail::TimingOnly off(m);
@@ -100,19 +83,17 @@ struct LayerReport {
   }
 };
 
-// The timing-only kernels of a layer before its compressor (the same for every layer kind), in
-// order: hc_pre, rms_norm, qkv_proj_rope, cache_write. A layer is then
-//   SWA: front, sparse_attention(swa), hc_post
-//   CSA: front, compressor(ratio 4) (compressor.hpp), indexer with its inner compressor,
+// The timing-only kernels that open every layer, in order: hc_pre, rms_norm. A layer is then
+//   qkv_proj_rope (qkv_projection.hpp), cache_write (timing-only), then
+//   SWA: sparse_attention(swa), hc_post
+//   CSA: compressor(ratio 4) (compressor.hpp), indexer with its inner compressor,
 //        sparse_attention(csa), hc_post
-//   HCA: front, compressor(ratio 128), sparse_attention(hca), hc_post
-// (see examples/90_a2a3_report.cpp).
-inline std::vector<KernelReport> layer_front_timing(Machine& m, const ModelConfig& cfg, index_t T) {
+//   HCA: compressor(ratio 128), sparse_attention(hca), hc_post
+// with hc_post timing-only (see examples/90_a2a3_report.cpp).
+inline std::vector<KernelReport> layer_pre_timing(Machine& m, const ModelConfig& cfg, index_t T) {
   std::vector<KernelReport> r;
   r.push_back(hc_pre_timing(m, cfg, T));
   r.push_back(rmsnorm_timing(m, cfg, T));
-  r.push_back(qkv_proj_rope_timing(m, cfg, T));
-  r.push_back(cache_write_timing(m, cfg, T));
   return r;
 }
 

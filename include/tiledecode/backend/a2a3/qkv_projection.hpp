@@ -36,8 +36,8 @@
 namespace tiledecode::a2a3 {
 
 struct QkvWorkspace {
-  Tensor<float, 2> cq_raw;   // (T, Q_LORA)
-  Tensor<float, 2> kv_raw;   // (T, 512)
+  Tensor<float, 2> cq_raw;     // (T, Q_LORA)
+  Tensor<float, 2> kv_raw;     // (T, 512)
   Tensor<std::int32_t, 2> qi;  // (T, H*512)
   QkvWorkspace(int tokens, const ModelConfig& cfg)
       : cq_raw({tokens, cfg.q_lora}),
@@ -146,11 +146,12 @@ inline KernelReport qkv_projection(Machine& m, View<bf16, 3> q, View<bf16, 2> kv
       qs(0, 0) = quantize_q8(std::span<std::int8_t>(qq.data(), std::size_t(QL)),
                              std::span<const float>(cq.data(), std::size_t(QL)));
     });
-    v.vec("rmsnorm_rope_kv", HD * 5, 4, {&kf.state(), &g2.state(), &rot.state()}, {&kb.state()}, [&] {
-      rmsnorm(kf.data(), g2.data(), HD);
-      rope_forward(std::span<float>(kf.data() + NOPE, 64), rot.row(0), rot.row(1));
-      for (index_t i = 0; i < HD; ++i) kb(0, i) = bf16(kf(0, i));
-    });
+    v.vec("rmsnorm_rope_kv", HD * 5, 4, {&kf.state(), &g2.state(), &rot.state()}, {&kb.state()},
+          [&] {
+            rmsnorm(kf.data(), g2.data(), HD);
+            rope_forward(std::span<float>(kf.data() + NOPE, 64), rot.row(0), rot.row(1));
+            for (index_t i = 0; i < HD; ++i) kb(0, i) = bf16(kf(0, i));
+          });
     v.copy_out(qr.slice(0, t, t + 1), qq, 0, "qr_out");
     v.copy_out(View<float, 2>(qr_scale.data() + t, {1, 1}), qs, 0, "qr_scale_out");
     v.copy_out(kv.slice(0, t, t + 1), kb, 0, "kv_out");
@@ -177,7 +178,8 @@ inline KernelReport qkv_projection(Machine& m, View<bf16, 3> q, View<bf16, 2> kv
       auto& cc = acc[std::size_t(j % 2)];
       for (index_t kt = 0; kt < QL / 256; ++kt, ++l1s) {
         auto& wt = w1[std::size_t(l1s % 2)];
-        c.copy_in(wt, 0, w.wq_b.slice(0, kt * 256, kt * 256 + 256).slice(1, n0, n0 + 512), "wq_b_in");
+        c.copy_in(wt, 0, w.wq_b.slice(0, kt * 256, kt * 256 + 256).slice(1, n0, n0 + 512),
+                  "wq_b_in");
         auto& al0 = a0[std::size_t(l1s % 2)];
         c.load_l0(al0, a1, 0, kPad, kt * 256, 256, false, "qr_l0");
         for (index_t nc = 0; nc < 4; ++nc, ++l0s) {
@@ -201,14 +203,19 @@ inline KernelReport qkv_projection(Machine& m, View<bf16, 3> q, View<bf16, 2> kv
     auto f = v.alloc<float>(Space::ub, "qf", kHeads, HD);
     auto rot = v.alloc<bf16>(Space::ub, "cos_sin", 2, 64);
     auto o = v.alloc<bf16>(Space::ub, "q_bf16", kHeads, HD);
-    v.copy_in(qi, 0, ConstView<std::int32_t, 2>(ws.qi.view().slice(0, t, t + 1).slice(1, c0, c0 + cols)), "qi_in");
+    v.copy_in(qi, 0,
+              ConstView<std::int32_t, 2>(ws.qi.view().slice(0, t, t + 1).slice(1, c0, c0 + cols)),
+              "qi_in");
     v.copy_in(cs, 0, ConstView<float, 2>(w.wq_b_scale.data() + c0, {1, cols}), "scale_in");
     v.copy_in(rot, 0, ConstView<bf16, 2>(rope.cos_row(pos), {1, 64}), "cos_in");
     v.copy_in(rot, 1, ConstView<bf16, 2>(rope.sin_row(pos), {1, 64}), "sin_in");
     const float rs = qr_scale(t);  // scalar read of the norm launch's output
-    v.vec("dequant", cols, 4, {&qi.state(), &cs.state()}, {&f.state()}, [&] {
-      for (index_t i = 0; i < cols; ++i) f.data()[i] = float(qi.data()[i]) * rs * cs.data()[i];
-    }, 2.0);
+    v.vec(
+        "dequant", cols, 4, {&qi.state(), &cs.state()}, {&f.state()},
+        [&] {
+          for (index_t i = 0; i < cols; ++i) f.data()[i] = float(qi.data()[i]) * rs * cs.data()[i];
+        },
+        2.0);
     v.vec("head_rmsnorm_rope", cols * 4, 4, {&f.state(), &rot.state()}, {&o.state()}, [&] {
       for (index_t h = 0; h < kHeads; ++h) {
         float* x = f.row(h);
