@@ -2,13 +2,19 @@
 # The sanitizer pass of CI.
 #  1. AddressSanitizer + UndefinedBehaviorSanitizer (clang, -DTILEDECODE_SANITIZE=ON) with
 #     TILEDECODE_CHECKED_VIEWS (every View::operator() bounds-checked): builds every test
-#     binary and runs each one once (one process per binary, all its cases). Lean mode:
-#     TILEDECODE_SANITIZE_LEAN=1 is exported so tests may shrink repeat counts, and cases whose
-#     name contains "Slow" or "Exhaustive" are filtered out.
+#     binary and runs each one once (one process per binary). Lean mode, to fit the CI budget:
+#     TILEDECODE_SANITIZE_LEAN=1 is exported so tests may shrink repeat counts; cases whose name
+#     contains "Slow" or "Exhaustive" are filtered out; and a binary with more than
+#     SAN_FULL_MAX cases runs one gtest shard of SAN_SHARDS (its cases dealt round-robin),
+#     the shard index rotating with the day of the year, so every case is sanitized once every
+#     SAN_SHARDS days while every binary runs every time.
 #  2. ThreadSanitizer (clang -fsanitize=thread): builds test_reliability and test_core (the
 #     thread pool, determinism and concurrent-call tests) and runs them.
 #   SAN_BUILD_DIR / TSAN_BUILD_DIR   build folders (default build-asan, build-tsan)
 #   SAN_GTEST_FILTER                 gtest filter for pass 1 (default "-*Slow*:*Exhaustive*")
+#   SAN_SHARDS / SAN_SHARD_INDEX     shards per large binary (default 4; 1 = every case) and the
+#                                    shard run (default: day of the year mod SAN_SHARDS)
+#   SAN_FULL_MAX                     binaries with at most this many cases run whole (default 16)
 #   SAN_SKIP_TSAN=1                  skip pass 2
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 install_missing_packages clang libclang-rt-14-dev llvm
@@ -16,6 +22,9 @@ install_missing_packages clang libclang-rt-14-dev llvm
 SAN_BUILD_DIR="${SAN_BUILD_DIR:-$ROOT/build-asan}"
 TSAN_BUILD_DIR="${TSAN_BUILD_DIR:-$ROOT/build-tsan}"
 SAN_GTEST_FILTER="${SAN_GTEST_FILTER:--*Slow*:*Exhaustive*}"
+SAN_SHARDS="${SAN_SHARDS:-4}"
+SAN_SHARD_INDEX="${SAN_SHARD_INDEX:-$(( 10#$(date +%j) % SAN_SHARDS ))}"
+SAN_FULL_MAX="${SAN_FULL_MAX:-16}"
 command -v llvm-symbolizer >/dev/null && export ASAN_SYMBOLIZER_PATH="$(command -v llvm-symbolizer)"
 export TILEDECODE_SANITIZE_LEAN=1
 
@@ -25,13 +34,21 @@ test_targets() {
 
 run_binaries() {
   # run_binaries <label> <build dir> <gtest filter> <binary...>
+  # SHARDS (1 = whole binaries) and SHARD_INDEX come from the caller's environment.
   local label="$1" dir="$2" filter="$3"; shift 3
-  local failed=() t1
+  local failed=() t1 n shard_env note
   for stem in "$@"; do
     t1=$SECONDS
-    if (cd "$dir/tests" && GTEST_FILTER="$filter" timeout 900 "./$stem" --gtest_brief=1 \
-          >"$dir/$stem.log" 2>&1); then
-      echo "== $label: $stem PASSED ($((SECONDS - t1)) s, $(grep -Eo '[0-9]+ tests? from [0-9]+ test suites? ran' "$dir/$stem.log" | head -1))"
+    n=$(cd "$dir/tests" && GTEST_FILTER="$filter" "./$stem" --gtest_list_tests | grep -c '^  ' || true)
+    shard_env=()
+    note="all $n cases"
+    if [ "${SHARDS:-1}" -gt 1 ] && [ "$n" -gt "$SAN_FULL_MAX" ]; then
+      shard_env=(GTEST_TOTAL_SHARDS="$SHARDS" GTEST_SHARD_INDEX="$SHARD_INDEX")
+      note="shard $SHARD_INDEX/$SHARDS of $n cases"
+    fi
+    if (cd "$dir/tests" && env GTEST_FILTER="$filter" "${shard_env[@]}" timeout 900 "./$stem" \
+          --gtest_brief=1 >"$dir/$stem.log" 2>&1); then
+      echo "== $label: $stem PASSED ($((SECONDS - t1)) s, $note: $(grep -Eo '[0-9]+ tests? from [0-9]+ test suites? ran' "$dir/$stem.log" | head -1))"
     else
       tail -n 80 "$dir/$stem.log"
       echo "== $label: $stem FAILED ($((SECONDS - t1)) s)"
@@ -60,7 +77,9 @@ echo "== asan+ubsan: build took $((SECONDS - t0)) s"
 export ASAN_OPTIONS="${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 t1=$SECONDS
-run_binaries "asan+ubsan" "$SAN_BUILD_DIR" "$SAN_GTEST_FILTER" "${stems[@]}"
+echo "== asan+ubsan: binaries with > $SAN_FULL_MAX cases run shard $SAN_SHARD_INDEX of $SAN_SHARDS"
+SHARDS="$SAN_SHARDS" SHARD_INDEX="$SAN_SHARD_INDEX" \
+  run_binaries "asan+ubsan" "$SAN_BUILD_DIR" "$SAN_GTEST_FILTER" "${stems[@]}"
 echo "== asan+ubsan: all ${#stems[@]} test binaries passed (run $((SECONDS - t1)) s, total $((SECONDS - t0)) s)"
 unset ASAN_OPTIONS UBSAN_OPTIONS
 

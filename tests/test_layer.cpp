@@ -366,3 +366,40 @@ TEST(LayerStep, ScalarPathMatchesGoldenHca) {
 }
 
 }  // namespace
+
+namespace {
+
+// Every primitive splits work by shape only: a whole CSA layer step gives the same bits inline and
+// on 3 threads (outputs and every pool).
+TEST(LayerStep, BitIdenticalForAnyThreadCount) {
+  const auto cfg = td::flash_config();
+  const int B = 4, S = 2;
+  td::paged::FixtureTables fx(B, cfg);
+  tdtest::LayerSetup L(cfg, td::LayerKind::csa, fx.pools, 2, 55, td::cpu::make_context(nullptr));
+  td::decode::LayerCacheStorage c1 = L.caches, c3 = L.caches;
+  td::paged::StepMetadata md(B, S, cfg);
+  const std::array<std::int32_t, 4> starts{8192, 0, 2, 3};
+  md.build(starts, {B, S, 1}, fx.tables(), fx.pools, cfg);
+  const index_t T = B * S;
+  td::Tensor<float, 3> x({T, 4, cfg.hidden}), y1({T, 4, cfg.hidden}), y3({T, 4, cfg.hidden});
+  td::decode::synthetic::fill_x_hc(td::cpu::Context{}, x.view(), 8, 0);
+  const auto w = L.weights.view();
+  {
+    const auto be = td::decode::Backend::cpu(nullptr);
+    td::decode::Workspace ws(cfg, B, S, be.concurrency());
+    td::decode::layer_step(be, y1.view(), x.view(), w, c1.view(), md, L.rope.view(), ws, cfg);
+  }
+  {
+    td::ThreadPool pool(3);
+    const auto be = td::decode::Backend::cpu(&pool);
+    td::decode::Workspace ws(cfg, B, S, be.concurrency());
+    td::decode::layer_step(be, y3.view(), x.view(), w, c3.view(), md, L.rope.view(), ws, cfg);
+  }
+  EXPECT_EQ(0, std::memcmp(y1.data(), y3.data(), y1.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(c1.kv_cache.data(), c3.kv_cache.data(), c1.kv_cache.size() * 2));
+  EXPECT_EQ(0, std::memcmp(c1.cmp_kv.data(), c3.cmp_kv.data(), c1.cmp_kv.size() * 2));
+  EXPECT_EQ(0, std::memcmp(c1.state.data(), c3.state.data(), c1.state.size() * 4));
+  EXPECT_EQ(0, std::memcmp(c1.idx_kv_cache.data(), c3.idx_kv_cache.data(), c1.idx_kv_cache.size()));
+}
+
+}  // namespace

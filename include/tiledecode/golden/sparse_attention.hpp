@@ -48,6 +48,13 @@ inline void sparse_attention(const ModelConfig& cfg, LayerKind kind, View<bf16, 
   if (T % seq != 0) throw_arg(where, "q.extent(0)", T, "a multiple of seq");
   check_equal(where, "o_packed.extent(0)", o_packed.extent(0), index_t(cfg.o_groups) * T);
   check_equal(where, "o_packed.extent(1)", o_packed.extent(1), index_t(cfg.o_group_in()));
+  check_equal(where, "kv_cache.extent(1)", kv_cache.extent(1), D);
+  check_equal(where, "kv_cache.stride(1)", kv_cache.stride(1),
+              index_t(1));  // rows read via pointer
+  if (kind != LayerKind::swa) {
+    check_equal(where, "cmp_kv.extent(1)", cmp_kv.extent(1), D);
+    check_equal(where, "cmp_kv.stride(1)", cmp_kv.stride(1), index_t(1));
+  }
   const index_t ncols = cfg.attn_cols(kind), win = cfg.window, blk = cfg.attn_k_tile;
   const index_t cmp_blocks = cmp_kv.extent(0) / page;
   const float scale = cfg.softmax_scale();

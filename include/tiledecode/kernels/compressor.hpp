@@ -47,12 +47,12 @@
 //   * Main compressors rotate at the window start c*R (spec §5).
 //
 // Fast path: the projections read 2 × OUT_DIM × D BF16 weights per step and dominate. Tasks own
-// 16 weight rows; every token group of 8 shares one pass over them (weights stream from memory
-// once per step for T <= 8, and from L2 for each further group), BF16 → FP32 by a shift, FMA into
-// lane-wise accumulators. Pooling is an online softmax over chunks of 8 candidates. Work is split
-// by shape only (weight rows, channels), each output has one fixed reduction order, so results are
-// bit-identical for any thread count. The AVX2 path is chosen by ctx.isa; the scalar twin has the
-// same structure and is always compiled.
+// 24 weight rows; a 3-row × 4-token register tile (BF16 → FP32 by a shift, FMA into lane-wise
+// accumulators) makes one pass over K per token group, so the weights stream from DRAM once per
+// step (software prefetch ahead) and are re-read from L1/L2 by later token groups. Pooling is an
+// online softmax over chunks of 8 candidates. Work is split by shape only (weight rows, channels),
+// each output has one fixed reduction order, so results are bit-identical for any thread count.
+// The AVX2 path is chosen by ctx.isa; the scalar twin is always compiled.
 
 #include <algorithm>
 #include <cmath>
@@ -149,8 +149,9 @@ constexpr index_t compressor_workspace_size(const ModelConfig& cfg, const Compre
 namespace detail {
 
 // ---------------------------------------------------------------------------------------------
-// Scalar twins of the AVX2 microkernels in backend/cpu/compressor_avx2.hpp (same tiling, same
-// lane-wise summation order, same candidate order; std::exp instead of the polynomial exp).
+// Scalar twins of the AVX2 microkernels in backend/cpu/compressor_avx2.hpp: same task split,
+// same lane-wise summation order (8 lanes, ascending k, the AVX2 horizontal-sum tree), same
+// candidate order; one row at a time (no register tile), std::exp instead of the polynomial exp.
 
 // out[t*ld_out + r] = Σ_k x[t*ld_x + k] * w[r*ld_w + k]; 8 lane-wise partial sums per output.
 inline void project_rows_scalar(float* out, index_t ld_out, const float* x, index_t ld_x,

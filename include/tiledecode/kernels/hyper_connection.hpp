@@ -128,6 +128,7 @@ inline void hc_pre(const cpu::Context& ctx, View<bf16, 2> x_mixed, View<float, 2
   check_equal<index_t>(where, "x_hc.stride(2)", x_hc.stride(2), 1);
   check_equal<index_t>(where, "x_mixed.extent(0)", x_mixed.extent(0), T);
   check_equal<index_t>(where, "x_mixed.extent(1)", x_mixed.extent(1), D);
+  check_equal<index_t>(where, "x_mixed.stride(1)", x_mixed.stride(1), 1);
   check_equal<index_t>(where, "post.extent(0)", post.extent(0), T);
   check_equal<index_t>(where, "post.extent(1)", post.extent(1), kHcStreams);
   check_equal<index_t>(where, "comb.extent(0)", comb.extent(0), T);
@@ -205,6 +206,7 @@ inline void hc_post(const cpu::Context& ctx, View<float, 3> y, ConstView<bf16, 2
   check_equal<index_t>(where, "x_hc.extent(2)", x_hc.extent(2), D);
   check_equal<index_t>(where, "x_hc.stride(2)", x_hc.stride(2), 1);
   check_equal<index_t>(where, "attn_out.extent(1)", attn_out.extent(1), D);
+  check_equal<index_t>(where, "attn_out.stride(1)", attn_out.stride(1), 1);
   check_equal<index_t>(where, "post.extent(1)", post.extent(1), kHcStreams);
   check_equal<index_t>(where, "comb.extent(1)", comb.extent(1), kHcStreams);
   check_equal<index_t>(where, "comb.extent(2)", comb.extent(2), kHcStreams);

@@ -19,7 +19,7 @@
 // The RoPE table is the layer's (SWA: plain; CSA/HCA: YaRN), read at pos_t = position_ids[t].
 //
 // Fast path: the weights are streamed once per step for all T tokens (axpy order, see
-// backend/cpu/decode_avx2.hpp). Tasks: 64-column tiles of wq_a and wkv; then one task per token
+// backend/cpu/decode_avx2.hpp). Tasks: 256-column tiles of wq_a and wkv; then one task per token
 // (norms, Q8, kv RoPE); then one task per query head (its 512 columns of wq_b, tokens in chunks
 // of 8). Every output element has one producer and a fixed order: results do not depend on the
 // thread count, and the AVX2 and scalar paths give identical matmul results.
@@ -118,8 +118,8 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
   constexpr index_t kMaxHeadDim = 512;
   if (HD > kMaxHeadDim || HD % 16 != 0)
     throw_arg(where, "cfg.head_dim", HD, "a multiple of 16 <= 512");
-  if (QL % 64 != 0) throw_arg(where, "cfg.q_lora", QL, "a multiple of 64");
-  if (HD % 64 != 0) throw_arg(where, "cfg.head_dim", HD, "a multiple of 64");
+  if (QL % 256 != 0) throw_arg(where, "cfg.q_lora", QL, "a multiple of 256");
+  if (HD % 256 != 0) throw_arg(where, "cfg.head_dim", HD, "a multiple of 256");
   // INT32 bound of the q-latent matmul: Q_LORA · 127 · 127 < 2^31.
   check_range<index_t>(where, "cfg.q_lora", QL, 2, 2 * 65536);
   check_equal<index_t>(where, "x_n.extent(1)", x_n.extent(1), D);
@@ -164,8 +164,9 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
   for (index_t t = 0; t < T; ++t)
     for (index_t k = 0; k < D; ++k) s.x(t, k) = x_n(t, k).to_float();
 
-  // 2. cq_raw = x @ wq_a and kvf_raw = x @ wkv, 64-column tiles (wq_a tiles first).
-  constexpr index_t kTile = 64;
+  // 2. cq_raw = x @ wq_a and kvf_raw = x @ wkv, 256-column tiles (wq_a tiles first).
+  // 256-column tiles: each weight row segment is 512 contiguous bytes (see decode_avx2.hpp).
+  constexpr index_t kTile = 256;
   const index_t q_tiles = QL / kTile, kv_tiles = HD / kTile;
   ctx.parallel_for(0, q_tiles + kv_tiles, 1, [&](std::int64_t task) {
     const bool is_q = task < q_tiles;
@@ -213,20 +214,22 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
 
   // 4. Per head: INT32 qr @ wq_b[:, head], dequant, per-head RMSNorm, RoPE, BF16 store.
   ctx.parallel_for(0, H, 1, [&](std::int64_t h) {
-    alignas(64) std::int32_t acc[8 * kMaxHeadDim];
+    // Padded stride: rows 2 KB apart would alias in the 4K store/load check (see decode_avx2).
+    constexpr index_t kAccLd = kMaxHeadDim + 16;
+    alignas(64) std::int32_t acc[8 * kAccLd];
     double qf[kMaxHeadDim];
     const index_t n0 = h * HD;
     for (index_t t0 = 0; t0 < T; t0 += 8) {
       const int tc = int(std::min<index_t>(8, T - t0));
 #if TILEDECODE_X86
       if (avx2) {
-        cpu::avx2::matmul_i8_axpy(acc, HD, s.qr_pairs.data() + t0 * s.qr_pairs.stride(0),
+        cpu::avx2::matmul_i8_axpy(acc, kAccLd, s.qr_pairs.data() + t0 * s.qr_pairs.stride(0),
                                   s.qr_pairs.stride(0), tc, w.wq_b.data(), w.wq_b.stride(0), QL, n0,
                                   n0 + HD);
       } else
 #endif
       {
-        detail::matmul_i8_axpy_scalar(acc, HD, qr.data() + t0 * qr.stride(0), qr.stride(0), tc,
+        detail::matmul_i8_axpy_scalar(acc, kAccLd, qr.data() + t0 * qr.stride(0), qr.stride(0), tc,
                                       w.wq_b.data(), w.wq_b.stride(0), QL, n0, n0 + HD);
       }
       for (int tt = 0; tt < tc; ++tt) {
@@ -234,7 +237,7 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
         const double qs = qr_scale(t);
         double ss = 0.0;
         for (index_t n = 0; n < HD; ++n) {
-          qf[n] = double(acc[tt * HD + n]) * qs * double(w.wq_b_scale(n0 + n));
+          qf[n] = double(acc[tt * kAccLd + n]) * qs * double(w.wq_b_scale(n0 + n));
           ss += qf[n] * qf[n];
         }
         const double r = 1.0 / std::sqrt(ss / double(HD) + double(cfg.rms_eps));

@@ -11,6 +11,7 @@
 // for the BF16 matmul (BF16 × BF16 products are exact in FP32, FMA or not) and the same integers
 // for the INT8 one.
 
+#include <algorithm>
 #include <cstdint>
 
 #include "tiledecode/backend/cpu/isa.hpp"
@@ -20,44 +21,56 @@
 #if TILEDECODE_X86
 namespace tiledecode::cpu::avx2 {
 
-// dst[t, n] = Σ_k x[t, k] * w[k, n] for t < T and n in [n0, n1), k ascending; n1 - n0 must be a
-// multiple of 8. x holds BF16 values widened to FP32 (x_ld floats per row); w is BF16 with w_ld
-// elements per row; dst is FP32 with dst_ld per row and is overwritten.
+// dst[t, n] = Σ_k x[t, k] * w[k, n] for t < T <= 8 and n in [n0, n1), k ascending; n1 - n0 must
+// be a multiple of 8. x holds BF16 values widened to FP32 (x_ld floats per row); w is BF16 with
+// w_ld elements per row; dst is FP32 with dst_ld per row and is overwritten.
+// The accumulators live in an L1 stack tile of up to 256 columns (padded row stride, so the
+// tokens' rows do not alias 4 KB apart); each weight row is then read as one contiguous run of
+// up to 512 bytes — with 64-column tiles every row of a 2 KB-stride matrix touched a new page
+// every two rows and the prefetchers could not follow (measured 2 GB/s instead of 6).
 TILEDECODE_TARGET_AVX2 inline void matmul_bf16_axpy(float* dst, std::int64_t dst_ld, const float* x,
                                                     std::int64_t x_ld, int T, const bf16* w,
                                                     std::int64_t w_ld, std::int64_t K,
                                                     std::int64_t n0, std::int64_t n1) {
-  for (int t = 0; t < T; ++t)
-    for (std::int64_t n = n0; n < n1; n += 8)
-      _mm256_storeu_ps(dst + t * dst_ld + n, _mm256_setzero_ps());
-  std::int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
-    const bf16* w0 = w + k * w_ld;
-    for (std::int64_t n = n0; n < n1; n += 8) {
-      // (4 rows, 8 columns) of weights, widened once and reused by every token.
-      const __m256 a0 = load_bf16x8(w0 + n), a1 = load_bf16x8(w0 + w_ld + n);
-      const __m256 a2 = load_bf16x8(w0 + 2 * w_ld + n), a3 = load_bf16x8(w0 + 3 * w_ld + n);
-      for (int t = 0; t < T; ++t) {
-        const float* xt = x + t * x_ld + k;
-        float* d = dst + t * dst_ld + n;
-        __m256 acc = _mm256_loadu_ps(d);
-        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 0), a0, acc);
-        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 1), a1, acc);
-        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 2), a2, acc);
-        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 3), a3, acc);
-        _mm256_storeu_ps(d, acc);
+  constexpr std::int64_t kTile = 256, kLd = kTile + 8;
+  alignas(32) float acc[8 * kLd];
+  for (std::int64_t c0 = n0; c0 < n1; c0 += kTile) {
+    const std::int64_t width = std::min(kTile, n1 - c0);
+    for (int t = 0; t < T; ++t)
+      for (std::int64_t n = 0; n < width; n += 8)
+        _mm256_store_ps(acc + t * kLd + n, _mm256_setzero_ps());
+    std::int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+      const bf16* w0 = w + k * w_ld + c0;
+      for (std::int64_t n = 0; n < width; n += 8) {
+        // (4 rows, 8 columns) of weights, widened once and reused by every token.
+        const __m256 a0 = load_bf16x8(w0 + n), a1 = load_bf16x8(w0 + w_ld + n);
+        const __m256 a2 = load_bf16x8(w0 + 2 * w_ld + n), a3 = load_bf16x8(w0 + 3 * w_ld + n);
+        for (int t = 0; t < T; ++t) {
+          const float* xt = x + t * x_ld + k;
+          float* d = acc + t * kLd + n;
+          __m256 s = _mm256_load_ps(d);
+          s = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 0), a0, s);
+          s = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 1), a1, s);
+          s = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 2), a2, s);
+          s = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 3), a3, s);
+          _mm256_store_ps(d, s);
+        }
       }
     }
-  }
-  for (; k < K; ++k) {
-    for (std::int64_t n = n0; n < n1; n += 8) {
-      const __m256 a0 = load_bf16x8(w + k * w_ld + n);
-      for (int t = 0; t < T; ++t) {
-        float* d = dst + t * dst_ld + n;
-        _mm256_storeu_ps(
-            d, _mm256_fmadd_ps(_mm256_broadcast_ss(x + t * x_ld + k), a0, _mm256_loadu_ps(d)));
+    for (; k < K; ++k) {
+      for (std::int64_t n = 0; n < width; n += 8) {
+        const __m256 a0 = load_bf16x8(w + k * w_ld + c0 + n);
+        for (int t = 0; t < T; ++t) {
+          float* d = acc + t * kLd + n;
+          _mm256_store_ps(
+              d, _mm256_fmadd_ps(_mm256_broadcast_ss(x + t * x_ld + k), a0, _mm256_load_ps(d)));
+        }
       }
     }
+    for (int t = 0; t < T; ++t)
+      for (std::int64_t n = 0; n < width; n += 8)
+        _mm256_storeu_ps(dst + t * dst_ld + c0 + n, _mm256_load_ps(acc + t * kLd + n));
   }
 }
 
@@ -72,7 +85,8 @@ TILEDECODE_TARGET_AVX2 inline void i8_row_pairs(const std::int8_t* p, std::int64
   hi = _mm256_unpackhi_epi16(r0, r1);
 }
 
-// acc[t, j] = Σ_k a[t, k] * w[k, n0 + j] exactly in INT32, for j < n1 - n0 (a multiple of 16) and
+// acc[t, j] = Σ_k a[t, k] * w[k, n0 + j] exactly in INT32 (acc_ld should not be a multiple of
+// 1 KB: see matmul_bf16_axpy on 4K aliasing), for j < n1 - n0 (a multiple of 16) and
 // K even. `a_pairs[t, k/2]` packs the INT8 activations (a[t,k], a[t,k+1]) as two int16 in one
 // int32 (low half = k). Rows k and k+1 of w are widened to int16 and interleaved so that one
 // vpmaddwd multiplies 8 column pairs and adds each pair: |a·w| ≤ 127·127 per product, so a pair

@@ -27,6 +27,12 @@ TILEDECODE_TARGET_AVX2 inline void oproj_a_tile(float* out, std::int64_t ldout, 
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) acc[t][r] = _mm256_setzero_ps();
   for (int k = 0; k < kc; k += 8) {
+    // Pull the next row tile's weights (the same k) towards L1 while this one computes.
+    if ((k & 31) == 0) {
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * ldw + k), _MM_HINT_T0);
+    }
     __m256 wv[NR];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) wv[r] = load_bf16x8(w + r * ldw + k);
@@ -88,6 +94,10 @@ TILEDECODE_TARGET_AVX2 inline void oproj_b_tile(std::int32_t* p, std::int64_t ld
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < kr; r += 32) {
+    if ((r & 63) == 0) {  // next pair of weight rows, same offset
+      _mm_prefetch(reinterpret_cast<const char*>(w + 2 * ldw + r), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + 3 * ldw + r), _MM_HINT_T0);
+    }
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + ldw + r));
     const __m256i aw0 = _mm256_sign_epi8(w0, w0), aw1 = _mm256_sign_epi8(w1, w1);
