@@ -96,6 +96,7 @@ void run_steps(benchmark::State& state, int first, int last) {
   const double secs_per_step = total / double(state.iterations());
   const double gbps = double(weight_bytes) / secs_per_step * 1e-9;
   state.counters["weight_GBps"] = gbps;
+  state.counters["read_ceiling_GBps"] = tdbench::read_gbps(threads);
   state.counters["pct_of_ceiling"] = 100.0 * gbps / tdbench::read_gbps(threads);
   state.counters["tokens_per_s"] =
       benchmark::Counter(double(kB), benchmark::Counter::kIsIterationInvariantRate);
