@@ -14,7 +14,8 @@
 #   SAN_GTEST_FILTER                 gtest filter for pass 1 (default "-*Slow*:*Exhaustive*")
 #   SAN_SHARDS / SAN_SHARD_INDEX     shards per large binary (default 4; 1 = every case) and the
 #                                    shard run (default: day of the year mod SAN_SHARDS)
-#   SAN_FULL_MAX                     binaries with at most this many cases run whole (default 16)
+#   SAN_FULL_MAX                     binaries with at most this many cases run whole (default
+#                                    SAN_SHARDS: any larger binary has a case in every shard)
 #   SAN_SKIP_TSAN=1                  skip pass 2
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 install_missing_packages clang libclang-rt-14-dev llvm
@@ -24,7 +25,7 @@ TSAN_BUILD_DIR="${TSAN_BUILD_DIR:-$ROOT/build-tsan}"
 SAN_GTEST_FILTER="${SAN_GTEST_FILTER:--*Slow*:*Exhaustive*}"
 SAN_SHARDS="${SAN_SHARDS:-4}"
 SAN_SHARD_INDEX="${SAN_SHARD_INDEX:-$(( 10#$(date +%j) % SAN_SHARDS ))}"
-SAN_FULL_MAX="${SAN_FULL_MAX:-16}"
+SAN_FULL_MAX="${SAN_FULL_MAX:-$SAN_SHARDS}"
 command -v llvm-symbolizer >/dev/null && export ASAN_SYMBOLIZER_PATH="$(command -v llvm-symbolizer)"
 export TILEDECODE_SANITIZE_LEAN=1
 

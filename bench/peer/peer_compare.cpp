@@ -17,6 +17,7 @@
 // time (max of compute time at the FP32-FMA + INT8 ceilings and streamed bytes at the measured
 // read bandwidth, ceilings × threads; a layer sums its kernels' rooflines) / measured time.
 
+#include <malloc.h>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -574,6 +575,15 @@ int main(int argc, char** argv) {
   }
   if (opt.quick && opt.min_time == 0.1) opt.min_time = 0.05;
   const int max_threads = *std::max_element(opt.threads.begin(), opt.threads.end());
+
+  // The peer allocates its temporaries (up to tens of MB) at every step through ATen's CPU
+  // allocator (malloc). With glibc's defaults, large blocks are mmap'ed and returned on free,
+  // so every step page-faults them in again — a 2x swing in the peer's time from run to run.
+  // Keep freed memory in the heap instead (what an engine gets from jemalloc/tcmalloc or
+  // MALLOC_MMAP_THRESHOLD_): the peer is measured at its better. TileDecode does not allocate.
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  mallopt(M_TOP_PAD, 64 << 20);
 
   const ModelConfig cfg = td::flash_config();
   const td::cpu::Isa isa = td::cpu::detect_isa();

@@ -226,9 +226,12 @@ inline bool view_given(index_t size, const void* data) {
 template <class T>
 void check_matrix(std::string_view where, std::string_view arg, ConstView<T, 2> v, index_t rows,
                   index_t cols) {
-  if (rows >= 0) check_equal(where, std::string(arg) + ".extent(0)", v.extent(0), rows);
-  check_equal(where, std::string(arg) + ".extent(1)", v.extent(1), cols);
-  check_equal(where, std::string(arg) + ".stride(1)", v.stride(1), index_t(1));
+  // The argument name is built only on failure: validation runs every step, allocation-free.
+  if (rows >= 0 && v.extent(0) != rows)
+    check_equal(where, std::string(arg) + ".extent(0)", v.extent(0), rows);
+  if (v.extent(1) != cols) check_equal(where, std::string(arg) + ".extent(1)", v.extent(1), cols);
+  if (v.stride(1) != 1)
+    check_equal(where, std::string(arg) + ".stride(1)", v.stride(1), index_t(1));
   if (v.data() == nullptr && v.extent(0) > 0) throw_arg(where, arg, "null", "a view with data");
 }
 
