@@ -1,10 +1,14 @@
 // Sparse attention (SWA 128 cols, HCA 256, CSA 640, pro CSA 1152) and the grouped W8A8 output
 // projection, with the machine ceilings measured in the same process (bench/ceilings.hpp).
 // The machine is shared (2 vCPUs, other jobs), so wall-clock rates swing with the load. Every
-// compute ceiling is therefore also measured in CPU time (the same register-only loops of
-// ceilings.hpp, timed with CLOCK_PROCESS_CPUTIME_ID), and compute efficiencies are CPU-time
-// ratios: FLOP per CPU-second of the kernel ÷ FLOP per CPU-second of the FMA loop. That ratio is
-// what "share of the FMA ceiling" means per busy core, and it does not move with the load.
+// compute ceiling is therefore also measured in CPU time (register-only loops timed with
+// CLOCK_PROCESS_CPUTIME_ID), and compute efficiencies are CPU-time ratios: FLOP per CPU-second of
+// the kernel ÷ FLOP per CPU-second of the FMA loop. That ratio is what "share of the FMA
+// ceiling" means per busy core, and it does not move with the load. The CPU-time ceiling loops
+// are this file's fma_peak_loop / int8_peak_loop, not ceilings.hpp's fma_loop / int8_sign_loop,
+// which the compiler collapses (see the comment above fma_peak_loop); the collapsed figures are
+// still reported as *_merged_loop counters. The wall-clock counters (fp32_fma_gflops, int8_gops,
+// pct_of_ceiling_wall) still come from ceilings.hpp and carry the same over-count.
 //   sparse attention: FLOP = Σ_t valid_cols(t) · H · 512 · 4 (QKᵀ and PV, 2 FLOP per FMA lane);
 //     pct_of_ceiling      = (FLOP / kernel CPU-s) ÷ cpu_fma_gflops          (per busy core)
 //     pct_of_ceiling_wall = (FLOP / wall-s) ÷ (tdbench::fp32_fma_gflops() · threads)

@@ -1,6 +1,6 @@
 #pragma once
 // Machine ceilings measured in the same process as the kernels they bound:
-//   fp32_fma_gflops   register-only FMA loop (2 FLOP per lane per FMA), 1 thread
+//   fp32_fma_gflops   register-only FMA loop, 12 independent chains (2 FLOP per lane per FMA), 1 thread
 //   int8_gops         register-only INT8 multiply-add loops (sign-trick vpmaddubsw mix and the
 //                     widening vpmaddwd mix), the better of the two; 2 OP per int8 pair, 1 thread
 //   read_gbps(n)      streaming read bandwidth over a 256 MiB buffer with n threads
@@ -32,44 +32,51 @@ double median_seconds(F&& f, int reps = 5) {
 }
 
 #if TILEDECODE_X86
+// The compiler must not merge chains or hoist products out of the loop, yet the loop must not
+// chain iterations through anything but the accumulators: an empty asm statement marks a value
+// as modified without emitting an instruction. Every counted instruction is executed (checked
+// with objdump: one vfmadd / vpmaddubsw / vpmaddwd per counted operation).
+#define TDBENCH_OPAQUE(v) __asm__ volatile("" : "+x"(v))
+
+// 12 independent FMA chains (4-cycle latency × 2 FMA pipes needs >= 8 in flight), each starting
+// from its own value so they cannot be merged.
 TILEDECODE_TARGET_AVX2 inline float fma_loop(std::int64_t iters) {
-  // 10 independent accumulators hide the 4-cycle FMA latency on 2 FMA pipes.
-  __m256 a0 = _mm256_set1_ps(0.1f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-         a7 = a0, a8 = a0, a9 = a0;
-  const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
-  for (std::int64_t i = 0; i < iters; ++i) {
-    a0 = _mm256_fmadd_ps(a0, m, c); a1 = _mm256_fmadd_ps(a1, m, c);
-    a2 = _mm256_fmadd_ps(a2, m, c); a3 = _mm256_fmadd_ps(a3, m, c);
-    a4 = _mm256_fmadd_ps(a4, m, c); a5 = _mm256_fmadd_ps(a5, m, c);
-    a6 = _mm256_fmadd_ps(a6, m, c); a7 = _mm256_fmadd_ps(a7, m, c);
-    a8 = _mm256_fmadd_ps(a8, m, c); a9 = _mm256_fmadd_ps(a9, m, c);
+  __m256 a[12];
+  for (int k = 0; k < 12; ++k) {
+    a[k] = _mm256_set1_ps(0.1f + 0.01f * float(k));
+    TDBENCH_OPAQUE(a[k]);
   }
-  __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-                           _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
-  s = _mm256_add_ps(s, _mm256_add_ps(a8, a9));
+  __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+  TDBENCH_OPAQUE(m);
+  TDBENCH_OPAQUE(c);
+  for (std::int64_t i = 0; i < iters; ++i) {
+    for (int k = 0; k < 12; ++k) a[k] = _mm256_fmadd_ps(a[k], m, c);
+  }
+  __m256 s = a[0];
+  for (int k = 1; k < 12; ++k) s = _mm256_add_ps(s, a[k]);
   alignas(32) float out[8];
   _mm256_store_ps(out, s);
   return out[0];
 }
 
-// The compiler must not hoist the products out of the loop, yet the loop must not chain
-// iterations through the accumulators' latency (that would measure latency, not throughput):
-// an empty asm statement marks the inputs as modified without emitting an instruction.
-#define TDBENCH_OPAQUE(v) __asm__ volatile("" : "+x"(v))
-
-// Sign-trick mix, as cpu::avx2::dot_i8x32: 2 × vpsignb, vpmaddubsw, vpmaddwd, vpaddd per 32 pairs.
+// Sign-trick mix, as cpu::avx2::dot_i8x32: 2 × vpsignb, vpmaddubsw, vpmaddwd, vpaddd per 32
+// pairs; 8 chains with 8 distinct inputs (no common subexpressions).
 TILEDECODE_TARGET_AVX2 inline int int8_sign_loop(std::int64_t iters) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256i x0 = _mm256_set1_epi8(3), x1 = _mm256_set1_epi8(-5), y = _mm256_set1_epi8(11);
-  __m256i c[8];
-  for (auto& v : c) v = _mm256_setzero_si256();
+  __m256i x[8], c[8];
+  __m256i y = _mm256_set1_epi8(11);
+  for (int k = 0; k < 8; ++k) {
+    x[k] = _mm256_set1_epi8(static_cast<char>(3 + 2 * k));
+    c[k] = _mm256_setzero_si256();
+  }
   for (std::int64_t i = 0; i < iters; ++i) {
-    TDBENCH_OPAQUE(x0);
-    TDBENCH_OPAQUE(x1);
+    for (int k = 0; k < 8; ++k) TDBENCH_OPAQUE(x[k]);
     TDBENCH_OPAQUE(y);
     for (int k = 0; k < 8; ++k) {
-      const __m256i x = (k & 1) ? x1 : x0;
-      c[k] = _mm256_add_epi32(c[k], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x)), ones));
+      c[k] = _mm256_add_epi32(
+          c[k], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(x[k], x[k]), _mm256_sign_epi8(y, x[k])),
+                    ones));
     }
   }
   __m256i s = c[0];
@@ -78,18 +85,22 @@ TILEDECODE_TARGET_AVX2 inline int int8_sign_loop(std::int64_t iters) {
 }
 
 // Widening mix: int8 → int16 (vpmovsxbw) for one operand per 16 pairs, vpmaddwd, vpaddd — the
-// exact-for-every-int8 dot the indexer uses (the other operand is pre-widened once per tile).
+// exact-for-every-int8 dot the indexer uses (the other operand is pre-widened once per tile);
+// 8 chains with 8 distinct inputs.
 TILEDECODE_TARGET_AVX2 inline int int8_widen_loop(std::int64_t iters) {
-  __m128i k0 = _mm_set1_epi8(3), k1 = _mm_set1_epi8(-5);
-  __m256i q = _mm256_set1_epi16(7);
+  __m128i k8[8];
   __m256i c[8];
-  for (auto& v : c) v = _mm256_setzero_si256();
+  __m256i q = _mm256_set1_epi16(7);
+  for (int k = 0; k < 8; ++k) {
+    k8[k] = _mm_set1_epi8(static_cast<char>(3 - 2 * k));
+    c[k] = _mm256_setzero_si256();
+  }
   for (std::int64_t i = 0; i < iters; ++i) {
-    TDBENCH_OPAQUE(k0);
-    TDBENCH_OPAQUE(k1);
+    for (int k = 0; k < 8; ++k) TDBENCH_OPAQUE(k8[k]);
     TDBENCH_OPAQUE(q);
-    const __m256i w0 = _mm256_cvtepi8_epi16(k0), w1 = _mm256_cvtepi8_epi16(k1);
-    for (int k = 0; k < 8; ++k) c[k] = _mm256_add_epi32(c[k], _mm256_madd_epi16((k & 1) ? w1 : w0, q));
+    for (int k = 0; k < 8; ++k) {
+      c[k] = _mm256_add_epi32(c[k], _mm256_madd_epi16(_mm256_cvtepi8_epi16(k8[k]), q));
+    }
   }
   __m256i s = c[0];
   for (int k = 1; k < 8; ++k) s = _mm256_add_epi32(s, c[k]);
@@ -106,7 +117,7 @@ inline double fp32_fma_gflops() {
     const std::int64_t iters = 20'000'000;
     volatile float sink = 0;
     const double s = median_seconds([&] { sink = sink + fma_loop(iters); });
-    return double(iters) * 10 * 8 * 2 / s * 1e-9;
+    return double(iters) * 12 * 8 * 2 / s * 1e-9;
 #else
     return 0.0;
 #endif

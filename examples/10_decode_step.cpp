@@ -17,6 +17,15 @@
 // max|x_out − golden| / max|golden|). --dump DIR writes the inputs and outputs of the last step
 // of the first SWA, CSA and HCA layer and of every kernel inside them as .npy files plus
 // DIR/manifest.json.
+//
+// --backend a2a3 runs the same CPU decode loop (the numbers are computed on the CPU) and then
+// prints, beside the CPU timings, the latency the a2a3 execution model (backend/a2a3/) PREDICTS
+// for one layer of each family at the last step's shapes and metadata: qkv_proj_rope, the
+// compressors, the indexer (with its inner compressor) and sparse attention with the output
+// projection run functionally on the model's machine (on copies of the pools); hc_pre, rms_norm,
+// the cache write and hc_post are its timing-only tile programs (marked *). The decode step itself
+// cannot run on the a2a3 backend (decode/backend.hpp): the model has no functional schedule of
+// those four kernels, so it cannot produce x_out.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -30,6 +39,12 @@
 #include <string>
 #include <vector>
 
+#include "tiledecode/backend/a2a3/compressor.hpp"
+#include "tiledecode/backend/a2a3/indexer.hpp"
+#include "tiledecode/backend/a2a3/layer.hpp"
+#include "tiledecode/backend/a2a3/machine.hpp"
+#include "tiledecode/backend/a2a3/qkv_projection.hpp"
+#include "tiledecode/backend/a2a3/sparse_attention.hpp"
 #include "tiledecode/decode/step.hpp"
 #include "tiledecode/decode/synthetic.hpp"
 #include "tiledecode/golden/decode_layer.hpp"
@@ -333,6 +348,169 @@ void dump_layer(Dumper& d, int l, const td::decode::LayerWeights& w,
   }
 }
 
+// ---- a2a3 model prediction (--backend a2a3) ---------------------------------------------------
+namespace a2 = tiledecode::a2a3;
+
+int family_index(td::LayerKind k) {
+  return k == td::LayerKind::swa ? 0 : (k == td::LayerKind::csa ? 1 : 2);
+}
+
+// The CPU kernels (decode::Kernel) that an a2a3 kernel of the layer schedule covers.
+std::vector<td::decode::Kernel> cpu_kernels_of(const std::string& a2a3_name) {
+  using K = td::decode::Kernel;
+  if (a2a3_name == "hc_pre") return {K::hc_pre};
+  if (a2a3_name == "rms_norm") return {K::rmsnorm};
+  if (a2a3_name == "qkv_proj_rope") return {K::qkv_projection};
+  if (a2a3_name == "cache_write") return {K::cache_write};
+  if (a2a3_name.rfind("compressor", 0) == 0) return {K::compressor};
+  if (a2a3_name.rfind("indexer", 0) == 0)
+    return {K::indexer_compressor, K::indexer_query, K::indexer_score, K::indexer_topk};
+  if (a2a3_name.rfind("sparse_attn", 0) == 0) return {K::sparse_attention, K::output_projection};
+  if (a2a3_name == "hc_post") return {K::hc_post};
+  return {};
+}
+
+bool timing_only(const std::string& n) {
+  return n == "hc_pre" || n == "rms_norm" || n == "cache_write" || n == "hc_post";
+}
+
+// One layer of family `kind` on the a2a3 model at the last step's metadata `md`: the layer
+// schedule of backend/a2a3/layer.hpp. `x_n` is the CPU's attention-normed input of that layer in
+// the last step; `pools` are copies of the layer's pools before the last step (the model's
+// compressors update them) except the ori KV cache, which is read after the CPU's cache write.
+a2::LayerReport predict_a2a3_layer(a2::Machine& m, const td::ModelConfig& cfg,
+                                   const td::decode::LayerWeights& w,
+                                   td::decode::LayerCacheStorage& pools,
+                                   td::ConstView<td::bf16, 2> kv_cache_after,
+                                   td::ConstView<td::bf16, 2> x_n,
+                                   const td::paged::StepMetadata& md,
+                                   const td::RopeTableView& rope) {
+  const auto& sh = md.shape();
+  const index_t T = sh.tokens();
+  const td::LayerKind kind = w.kind;
+  const auto pos = md.position_ids();
+  a2::LayerReport r{kind, a2::layer_pre_timing(m, cfg, T)};
+  td::Tensor<td::bf16, 3> q({T, cfg.n_heads, cfg.head_dim});
+  td::Tensor<td::bf16, 2> kv({T, cfg.head_dim}), out({T, cfg.hidden});
+  td::Tensor<std::int8_t, 2> qr({T, cfg.q_lora});
+  td::Tensor<float, 1> qr_scale({T});
+  a2::QkvWorkspace qws(int(T), cfg);
+  r.kernels.push_back(a2::qkv_projection(m, q.view(), kv.view(), qr.view(), qr_scale.view(), x_n,
+                                         w.qkv, rope, pos, qws, cfg));
+  r.kernels.push_back(a2::cache_write_timing(m, cfg, T));
+  td::Tensor<float, 2> score({T, cfg.score_len()});
+  td::Tensor<std::int32_t, 2> topk({T, cfg.score_len()});
+  if (kind != td::LayerKind::swa) {
+    const bool csa = kind == td::LayerKind::csa;
+    const auto spec =
+        csa ? td::kernels::csa_compressor_spec(cfg) : td::kernels::hca_compressor_spec(cfg);
+    const td::kernels::CompressorMetadata meta{
+        sh, pos, csa ? md.csa_state_slot_mapping() : md.hca_state_slot_mapping(),
+        csa ? md.csa_cmp_slot_mapping() : md.hca_cmp_slot_mapping(),
+        csa ? md.tables().csa_state_table : md.tables().hca_state_table};
+    a2::CompressorWorkspace cws(int(T), spec);
+    r.kernels.push_back(a2::compressor(
+        m, {spec, x_n, w.compressor, meta, rope, td::kernels::InnerRopePosition::window_start, {}},
+        {pools.state.view(), pools.cmp_kv.view(), {}, {}}, cws, cfg, false));
+  }
+  if (kind == td::LayerKind::csa) {
+    // The layer's default indexer RoPE rule (decode::IndexerRope::absolute): query at pos_t,
+    // inner compressor rows at their window start.
+    const auto ispec = td::kernels::indexer_compressor_spec(cfg);
+    const td::kernels::CompressorMetadata imeta{sh, pos, md.csa_inner_state_slot_mapping(),
+                                                md.csa_idx_slot_mapping(),
+                                                md.tables().csa_inner_state_table};
+    a2::CompressorWorkspace iws_c(int(T), ispec);
+    const a2::InnerCompressorStep inner{
+        {ispec, x_n, w.indexer.compressor, imeta, rope,
+         td::kernels::InnerRopePosition::window_start, w.indexer.hadamard},
+        {pools.inner_state.view(), {}, pools.idx_kv_cache.view(), pools.idx_kv_scale.view()},
+        &iws_c};
+    a2::IndexerWorkspace iws(int(T), cfg, false);
+    const a2::IndexerInputs in{x_n,
+                               qr.view(),
+                               qr_scale.view(),
+                               w.indexer.wq_b,
+                               w.indexer.wq_b_scale,
+                               w.indexer.weights_proj,
+                               w.indexer.hadamard,
+                               rope,
+                               pos,
+                               md.kv_seq_lens(),
+                               pools.idx_kv_cache.view(),
+                               pools.idx_kv_scale.view(),
+                               md.tables().idx_block_table,
+                               sh.seq,
+                               0};
+    r.kernels.push_back(a2::indexer(m, in, {score.view(), topk.view()}, iws, cfg,
+                                    a2::ScoreDesign::fused, a2::kIdxRingSlots, &inner));
+  }
+  a2::SparseAttnWorkspace sws(int(T), kind, cfg);
+  const a2::SparseAttnInputs sin{kind,
+                                 q.view(),
+                                 kv_cache_after,
+                                 md.window_indices(),
+                                 md.window_lens(),
+                                 pools.cmp_kv.view(),
+                                 md.tables().cmp_block_table,
+                                 topk.view(),
+                                 pos,
+                                 md.kv_seq_lens(),
+                                 w.attn_sink,
+                                 rope,
+                                 w.wo_a,
+                                 w.wo_b,
+                                 w.wo_b_scale,
+                                 sh.seq};
+  r.kernels.push_back(a2::sparse_attention(m, sin, out.view(), sws, cfg));
+  r.kernels.push_back(a2::hc_post_timing(m, cfg, T));
+  return r;
+}
+
+// The table printed by --backend a2a3: per family, each kernel's predicted latency and per-pipe
+// busy time (slowest core, summed over the kernel's launches) beside the CPU's mean time of the
+// kernels it covers, per layer.
+void print_a2a3_table(const std::vector<a2::LayerReport>& reports,
+                      const td::decode::KernelTimes (&cpu)[3], const int (&layers_of)[3],
+                      int timed_steps, const std::vector<td::LayerKind>& schedule, int B) {
+  const auto& arch = a2::kArch;
+  std::printf(
+      "\na2a3 execution model prediction (backend/a2a3: one 910B-class die, %d AIC + %d AIV, "
+      "%.2f GHz, HBM %.2f TB/s, launch %.1f us)\nfor the last step's shapes and metadata, per "
+      "layer; cpu = this machine's mean per layer (* = timing-only tile program):\n",
+      arch.cube_cores, arch.vector_cores(), arch.clock_hz / 1e9, arch.hbm_bytes_per_s / 1e12,
+      arch.launch_overhead_us);
+  double per_family_us[3] = {0, 0, 0};
+  for (const auto& r : reports) {
+    const int f = family_index(r.kind);
+    const double n = double(std::max(1, layers_of[f])) * timed_steps;
+    std::printf("\n  %s layer\n  %-20s %10s %10s |", std::string(td::to_string(r.kind)).c_str(),
+                "kernel", "cpu ms", "a2a3 us");
+    for (int p = 0; p < a2::kPipes; ++p)
+      std::printf(" %7s", std::string(a2::pipe_name(a2::Pipe(p))).c_str());
+    std::printf("  (a2a3 busy us, slowest core)\n");
+    double cpu_total = 0;
+    for (const auto& k : r.kernels) {
+      double cpu_s = 0;
+      for (auto ck : cpu_kernels_of(k.name)) cpu_s += cpu[f].seconds[int(ck)];
+      cpu_total += cpu_s;
+      const std::string name = k.name + (timing_only(k.name) ? "*" : "");
+      std::printf("  %-20s %10.3f %10.2f |", name.c_str(), cpu_s * 1e3 / n, k.latency_us());
+      const auto busy = k.busy_slowest_us();
+      for (int p = 0; p < a2::kPipes; ++p) std::printf(" %7.2f", busy[std::size_t(p)]);
+      std::printf("\n");
+    }
+    per_family_us[f] = r.latency_us();
+    std::printf("  %-20s %10.3f %10.2f\n", "layer", cpu_total * 1e3 / n, r.latency_us());
+  }
+  double stack_us = 0;
+  for (auto k : schedule) stack_us += per_family_us[family_index(k)];
+  std::printf(
+      "  a2a3 predicted step (%zu layers): %.1f us, %.0f committed tokens/s (attention layers "
+      "only)\n",
+      schedule.size(), stack_us, double(B) / (stack_us * 1e-6));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -343,12 +521,9 @@ int main(int argc, char** argv) try {
   td::check_range("decode_step", "--batch", B, 1, 1025);
   td::check_range("decode_step", "--steps", opt.steps, 1, cfg.max_seq_len);
   td::check_range("decode_step", "--context", opt.context, 0, cfg.max_seq_len - opt.steps - S + 1);
-  if (td::decode::backend_by_name(opt.backend) != td::decode::BackendKind::cpu) {
-    std::printf(
-        "decode_step: the a2a3 backend has no full decode-step schedule yet "
-        "(backend/a2a3 models the indexer and sparse attention); use --backend cpu\n");
-    return 2;
-  }
+  // The step always executes on the CPU; --backend a2a3 adds the a2a3 model's prediction.
+  const bool predict_a2a3 =
+      td::decode::backend_by_name(opt.backend) == td::decode::BackendKind::a2a3;
   const std::size_t threads =
       opt.threads > 0 ? std::size_t(opt.threads) : td::ThreadPool::default_threads();
   td::ThreadPool pool(threads);
@@ -401,6 +576,12 @@ int main(int argc, char** argv) try {
   const td::paged::StepShape sh{B, S, 1};
   std::vector<std::int32_t> starts(std::size_t(B), opt.context);
   td::decode::KernelTimes times, first_step;
+  td::decode::KernelTimes family_times[3], family_first[3];  // per layer family (a2a3 table)
+  int layers_of[3] = {0, 0, 0};
+  for (int l = 0; l < L; ++l) ++layers_of[family_index(cfg.layer_kind(l))];
+  // --backend a2a3: the last step's inputs of the first layer of each family.
+  std::unique_ptr<td::decode::LayerCacheStorage> a2a3_pools[3];
+  std::unique_ptr<td::Tensor<td::bf16, 2>> a2a3_x_n[3];
   double step_seconds = 0, metadata_seconds = 0;
   std::vector<td::decode::LayerCacheStorage> snapshot;    // pools before the last step
   std::vector<td::Tensor<float, 3>> layer_in, layer_out;  // last step, per layer
@@ -424,8 +605,19 @@ int main(int argc, char** argv) try {
         std::copy_n(in.data(), in.size(), layer_in.back().data());
       }
       const td::LayerKind k = Wv[l].kind;
+      const int fam = family_index(k);
+      const bool keep_a2a3 = last && predict_a2a3 && !a2a3_pools[fam];
+      if (keep_a2a3) a2a3_pools[fam] = std::make_unique<td::decode::LayerCacheStorage>(*C[l]);
+      td::decode::KernelTimes lt;
       td::decode::layer_step(be, out, in, Wv[l], C[l]->view(), md, rope_of(k).view(), ws, cfg, {},
-                             &st);
+                             &lt);
+      st += lt;
+      (step == 0 ? family_first[fam] : family_times[fam]) += lt;
+      if (keep_a2a3) {
+        const auto x_n = ws.views(B, S).x_n;
+        a2a3_x_n[fam] = std::make_unique<td::Tensor<td::bf16, 2>>(std::array<index_t, 2>{T, D});
+        std::copy_n(x_n.data(), x_n.size(), a2a3_x_n[fam]->data());
+      }
       if (keep) {
         layer_out.emplace_back(std::array<index_t, 3>{T, 4, D});
         std::copy_n(out.data(), out.size(), layer_out.back().data());
@@ -478,6 +670,30 @@ int main(int argc, char** argv) try {
       "drafts)\n",
       double(B) / per_step, B, double(T) / per_step, (long long)T);
   std::printf("peak memory (VmHWM): %.0f MiB\n", peak_rss_mib());
+  if (predict_a2a3) {
+    if (opt.steps == 1)
+      for (int f = 0; f < 3; ++f) family_times[f] = family_first[f];
+    const auto t0 = Clock::now();
+    a2::Machine m(&pool);
+    std::vector<a2::LayerReport> reports;
+    std::vector<td::LayerKind> schedule;
+    for (int l = 0; l < L; ++l) schedule.push_back(cfg.layer_kind(l));
+    try {
+      for (int l = 0; l < L; ++l) {
+        const int fam = family_index(Wv[l].kind);
+        if (!a2a3_x_n[fam]) continue;  // already predicted for this family
+        reports.push_back(predict_a2a3_layer(m, cfg, Wv[l], *a2a3_pools[fam], C[l]->kv_cache.view(),
+                                             a2a3_x_n[fam]->view(), md,
+                                             rope_of(Wv[l].kind).view()));
+        a2a3_x_n[fam].reset();
+        a2a3_pools[fam].reset();
+      }
+      print_a2a3_table(reports, family_times, layers_of, timed, schedule, B);
+      std::printf("  (a2a3 model run on the CPU: %.1f s)\n", seconds_since(t0));
+    } catch (const td::Error& e) {
+      std::printf("\na2a3 prediction unavailable for this shape: %s\n", e.what());
+    }
+  }
   if (dumper) {
     dumper->finish(
         "  \"preset\": \"" + std::string(cfg.name) + "\", \"batch\": " + std::to_string(B) +

@@ -6,9 +6,14 @@
 //   auto be = decode::Backend::cpu(&pool);          // best ISA of this CPU, detected once
 //   auto be = decode::Backend::cpu(&pool, Isa::scalar);   // force the scalar path (tests)
 //
-// BackendKind::a2a3 is the seam for the Ascend a2a3 execution model (backend/a2a3/, its own
-// issue): a layer step given that kind throws until the model provides a full-step schedule;
-// the CPU path is the only executing backend of the decode step today.
+// BackendKind::a2a3 names the Ascend a2a3 execution model (backend/a2a3/). That model is a
+// latency PREDICTION model: qkv_proj_rope, the compressors, the indexer and sparse attention with
+// the output projection have functional tile programs there, but hc_pre, rms_norm, the cache
+// write and hc_post exist only as timing-only programs (backend/a2a3/layer.hpp), so the model
+// cannot produce a layer's x_out. A layer step given this kind therefore throws (before writing
+// anything); the CPU is the only executing backend of the decode step. The model is used by
+// `decode_step --backend a2a3` (examples/10_decode_step.cpp: the CPU runs the step, the a2a3
+// schedules predict each kernel's latency for the same shapes and metadata) and by a2a3_report.
 
 #include <string_view>
 

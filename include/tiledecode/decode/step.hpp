@@ -127,7 +127,9 @@ inline void validate_layer(std::string_view where, const Backend& be, View<float
                            const paged::StepMetadata& md, Workspace& ws, const ModelConfig& cfg) {
   if (be.kind != BackendKind::cpu) {
     throw_arg(where, "backend", std::string(to_string(be.kind)),
-              "cpu (the a2a3 model has no full decode-step schedule yet)");
+              "cpu (a2a3 is a latency-prediction model: hc_pre, rms_norm, the cache write and "
+              "hc_post are timing-only there, so it cannot produce x_out; see decode_step "
+              "--backend a2a3)");
   }
   if (!md.built()) throw Error(std::string(where) + ": argument 'md' is not built (call build())");
   const auto& sh = md.shape();

@@ -75,7 +75,7 @@ template <int NJ, int NV>
 TILEDECODE_TARGET_AVX2 inline void qk_tile(float* st, int lds, const float* qt, int ldq,
                                            const float* kf, int ldk, int dim, float scale) {
   __m256 acc[NJ][NV];
-#pragma GCC unroll 16
+#pragma GCC unroll 8
   for (int j = 0; j < NJ; ++j)
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_setzero_ps();
@@ -84,7 +84,7 @@ TILEDECODE_TARGET_AVX2 inline void qk_tile(float* st, int lds, const float* qt, 
     __m256 qv[NV];
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) qv[v] = _mm256_load_ps(qd + 8 * v);
-#pragma GCC unroll 16
+#pragma GCC unroll 8
     for (int j = 0; j < NJ; ++j) {
       const __m256 kb = _mm256_broadcast_ss(kf + std::int64_t(j) * ldk + d);
 #pragma GCC unroll 2
@@ -92,21 +92,17 @@ TILEDECODE_TARGET_AVX2 inline void qk_tile(float* st, int lds, const float* qt, 
     }
   }
   const __m256 sc = _mm256_set1_ps(scale);
-#pragma GCC unroll 16
+#pragma GCC unroll 8
   for (int j = 0; j < NJ; ++j)
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v)
       _mm256_store_ps(st + std::int64_t(j) * lds + 8 * v, _mm256_mul_ps(sc, acc[j][v]));
 }
 
-template <int NV, int NJ = 6>
+template <int NV>
 TILEDECODE_TARGET_AVX2 inline void qk_cols(float* st, int lds, const float* qt, int ldq,
                                            const float* kf, int ldk, int nc, int dim, float scale) {
   int j = 0;
-  if constexpr (NJ != 6)
-    for (; j + NJ <= nc; j += NJ)
-      qk_tile<NJ, NV>(st + std::int64_t(j) * lds, lds, qt, ldq, kf + std::int64_t(j) * ldk, ldk,
-                      dim, scale);
   for (; j + 6 <= nc; j += 6)
     qk_tile<6, NV>(st + std::int64_t(j) * lds, lds, qt, ldq, kf + std::int64_t(j) * ldk, ldk, dim,
                    scale);
@@ -138,17 +134,8 @@ TILEDECODE_TARGET_AVX2 inline void qk_cols(float* st, int lds, const float* qt, 
 TILEDECODE_TARGET_AVX2 inline void sa_qk(float* st, int lds, const float* qt, int ldq, int nh,
                                          const float* kf, int ldk, int nc, int dim, float scale) {
   int h = 0;
-#ifndef TD_SA_QK_NV
-#define TD_SA_QK_NV 2
-#define TD_SA_QK_NJ 6
-#endif
-#if TD_SA_QK_NV == 2
-  for (; h + 16 <= nh; h += 16)
-    qk_cols<2, TD_SA_QK_NJ>(st + h, lds, qt + h, ldq, kf, ldk, nc, dim, scale);
-#endif
-  for (; h < nh; h += 8)
-    qk_cols<1, (TD_SA_QK_NV == 1 ? TD_SA_QK_NJ : 6)>(st + h, lds, qt + h, ldq, kf, ldk, nc, dim,
-                                                     scale);
+  for (; h + 16 <= nh; h += 16) qk_cols<2>(st + h, lds, qt + h, ldq, kf, ldk, nc, dim, scale);
+  if (h < nh) qk_cols<1>(st + h, lds, qt + h, ldq, kf, ldk, nc, dim, scale);
 }
 
 // Per head (column of st, nc >= 1 rows): mb[h] = max_j, lb[h] = Σ_j exp(st - mb) (FP32,
