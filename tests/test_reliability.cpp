@@ -107,7 +107,7 @@ td::ModelConfig small_config() {
   c.hidden = 256;
   c.n_heads = 16;
   c.o_groups = 2;  // 8 heads per group, O_GROUP_IN 4096 as in the presets
-  c.q_lora = 128;
+  c.q_lora = 256;  // qkv_projection needs a multiple of 256
   c.o_lora = 64;
   c.idx_topk = 128;  // CSA: 128 + 128 columns = 2 blocks
   return c;
