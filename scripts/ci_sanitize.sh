@@ -11,7 +11,8 @@
 #  2. ThreadSanitizer (clang -fsanitize=thread): builds test_reliability and test_core (the
 #     thread pool, determinism and concurrent-call tests) and runs them.
 #   SAN_BUILD_DIR / TSAN_BUILD_DIR   build folders (default build-asan, build-tsan)
-#   SAN_GTEST_FILTER                 gtest filter for pass 1 (default "-*Slow*:*Exhaustive*")
+#   SAN_GTEST_FILTER                 gtest filter for pass 1 (default: no *Slow*, *Exhaustive* or
+#                                    full-width whole-layer cases, SAN_HEAVY)
 #   SAN_SHARDS / SAN_SHARD_INDEX     shards per large binary (default 4; 1 = every case) and the
 #                                    shard run (default: day of the year mod SAN_SHARDS)
 #   SAN_FULL_MAX                     binaries with at most this many cases run whole (default
@@ -22,7 +23,11 @@ install_missing_packages clang libclang-rt-14-dev llvm
 
 SAN_BUILD_DIR="${SAN_BUILD_DIR:-$ROOT/build-asan}"
 TSAN_BUILD_DIR="${TSAN_BUILD_DIR:-$ROOT/build-tsan}"
-SAN_GTEST_FILTER="${SAN_GTEST_FILTER:--*Slow*:*Exhaustive*}"
+# Full-width whole-layer cases take minutes each under ASan + checked views; the sanitizer pass
+# covers the layer composition with the narrow-model cases instead (same paging, smaller widths).
+SAN_HEAVY="DecodeStep.ConsecutiveMtp*:DecodeStep.ThreeHundred*:DecodeStep.NoHeapAllocation*"
+SAN_HEAVY+=":LayerStep.*:Determinism.WholeLayerStep*"
+SAN_GTEST_FILTER="${SAN_GTEST_FILTER:--*Slow*:*Exhaustive*:$SAN_HEAVY}"
 SAN_SHARDS="${SAN_SHARDS:-4}"
 SAN_SHARD_INDEX="${SAN_SHARD_INDEX:-$(( 10#$(date +%j) % SAN_SHARDS ))}"
 SAN_FULL_MAX="${SAN_FULL_MAX:-$SAN_SHARDS}"

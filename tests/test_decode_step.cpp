@@ -258,6 +258,13 @@ TEST(DecodeStep, ThreeHundredConsecutiveStepsNarrowModel) {
   run_consecutive_steps({0, 8192}, 300, tdtest::narrow_config());
 }
 
+// The boundaries of ConsecutiveMtpStepsCrossEveryBoundary on the narrow model: the whole layer
+// composition at a cost the sanitizer pass of CI can afford (the full-width cases are filtered
+// out there, see scripts/ci_sanitize.sh).
+TEST(DecodeStep, ConsecutiveStepsNarrowModelCrossEveryBoundary) {
+  run_consecutive_steps({0, 8188, 124, 252}, 8, tdtest::narrow_config());
+}
+
 // The same 300 steps at the full flash widths. About 300 × 3 golden layers at 4096 hidden
 // (~27 min on two cores): runs only with TILEDECODE_LONG_TESTS=1.
 TEST(DecodeStep, ThreeHundredConsecutiveSteps) {
