@@ -1,7 +1,8 @@
 #pragma once
 // Machine ceilings measured in the same process as the kernels they bound:
-//   fp32_fma_gflops   register-only FMA loop, 12 independent chains (2 FLOP per lane per FMA), 1 thread
-//   int8_gops         register-only INT8 multiply-add loops (sign-trick vpmaddubsw mix and the
+//   fp32_fma_gflops   register-only FMA loop, 12 independent chains (2 FLOP per lane per FMA), 1
+//   thread int8_gops         register-only INT8 multiply-add loops (sign-trick vpmaddubsw mix and
+//   the
 //                     widening vpmaddwd mix), the better of the two; 2 OP per int8 pair, 1 thread
 //   read_gbps(n)      streaming read bandwidth over a 256 MiB buffer with n threads
 // Each is measured once per process (median of 5) and cached.
@@ -74,9 +75,9 @@ TILEDECODE_TARGET_AVX2 inline int int8_sign_loop(std::int64_t iters) {
     TDBENCH_OPAQUE(y);
     for (int k = 0; k < 8; ++k) {
       c[k] = _mm256_add_epi32(
-          c[k], _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(_mm256_sign_epi8(x[k], x[k]), _mm256_sign_epi8(y, x[k])),
-                    ones));
+          c[k],
+          _mm256_madd_epi16(
+              _mm256_maddubs_epi16(_mm256_sign_epi8(x[k], x[k]), _mm256_sign_epi8(y, x[k])), ones));
     }
   }
   __m256i s = c[0];
@@ -156,7 +157,9 @@ inline double int8_widen_gops() {
   }();
   return v;
 }
-inline double int8_gops() { return std::max(int8_sign_gops(), int8_widen_gops()); }
+inline double int8_gops() {
+  return std::max(int8_sign_gops(), int8_widen_gops());
+}
 
 // Streaming read bandwidth (GB/s) with `threads` threads over a 256 MiB buffer.
 inline double read_gbps(int threads) {

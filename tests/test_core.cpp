@@ -16,7 +16,9 @@ namespace td = tiledecode;
 
 namespace {
 
-float from_bits(std::uint32_t u) { return std::bit_cast<float>(u); }
+float from_bits(std::uint32_t u) {
+  return std::bit_cast<float>(u);
+}
 
 TEST(Bf16, RoundsToNearestEvenHandComputed) {
   // 1.0 exactly representable.

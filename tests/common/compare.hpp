@@ -66,7 +66,8 @@ inline testing::AssertionResult ratio_reldiff(std::span<const float> actual,
       return testing::AssertionFailure() << "non-finite actual " << a << " at " << i;
     }
     const double d = std::fabs(a - e);
-    const double den = std::max({std::fabs(a), std::fabs(e), std::ldexp(1.0, -14) / diff_thd}) + 1e-9;
+    const double den =
+        std::max({std::fabs(a), std::fabs(e), std::ldexp(1.0, -14) / diff_thd}) + 1e-9;
     const double rd = d < diff_thd ? d : d / den;
     if (rd > diff_thd) {
       ++bad;
@@ -78,11 +79,10 @@ inline testing::AssertionResult ratio_reldiff(std::span<const float> actual,
   }
   const double pct = actual.empty() ? 0.0 : double(bad) / double(actual.size());
   if (pct <= pct_thd && worst < max_diff_hd) return testing::AssertionSuccess();
-  return testing::AssertionFailure() << bad << "/" << actual.size() << " points over " << diff_thd
-                                     << " (" << pct * 100 << "% > " << pct_thd * 100
-                                     << "%), worst rd " << worst << " at " << worst_i
-                                     << " (a=" << actual[worst_i] << ", e=" << expected[worst_i]
-                                     << ")";
+  return testing::AssertionFailure()
+         << bad << "/" << actual.size() << " points over " << diff_thd << " (" << pct * 100
+         << "% > " << pct_thd * 100 << "%), worst rd " << worst << " at " << worst_i
+         << " (a=" << actual[worst_i] << ", e=" << expected[worst_i] << ")";
 }
 
 // Tie-tolerant top-k comparison of one row. `score_of(idx)` returns the actual score paired with
@@ -113,9 +113,9 @@ testing::AssertionResult topk_pair_compare(std::span<const std::int32_t> actual,
     // A swap among equal scores is fine; a different pick must score the same as expected's.
     const float se = score_of(expected[i]);
     if (s != se) {
-      return testing::AssertionFailure() << "position " << i << ": picked " << actual[i]
-                                         << " (score " << s << ") instead of " << expected[i]
-                                         << " (score " << se << ")";
+      return testing::AssertionFailure()
+             << "position " << i << ": picked " << actual[i] << " (score " << s << ") instead of "
+             << expected[i] << " (score " << se << ")";
     }
   }
   return testing::AssertionSuccess();

@@ -40,6 +40,8 @@ struct bf16 {
 static_assert(sizeof(bf16) == 2);
 
 // Round a float to the nearest BF16 value and return it as float (the "bf16(x)" of the spec).
-constexpr float round_bf16(float f) { return bf16(f).to_float(); }
+constexpr float round_bf16(float f) {
+  return bf16(f).to_float();
+}
 
 }  // namespace tiledecode

@@ -17,7 +17,9 @@ inline constexpr float kMaskNeg = -1e20f;
 
 enum class LayerKind : std::uint8_t { swa = 0, csa = 4, hca = 128 };
 
-constexpr int compress_ratio(LayerKind k) { return static_cast<int>(k); }
+constexpr int compress_ratio(LayerKind k) {
+  return static_cast<int>(k);
+}
 constexpr std::string_view to_string(LayerKind k) {
   return k == LayerKind::swa ? "swa" : (k == LayerKind::csa ? "csa" : "hca");
 }
@@ -25,37 +27,37 @@ constexpr std::string_view to_string(LayerKind k) {
 struct ModelConfig {
   std::string_view name;
   // --- model (spec §1.1)
-  int hidden = 4096;          // D
-  int n_heads = 64;           // H
-  int head_dim = 512;         // one latent KV row = key = value
-  int rope_dim = 64;          // last 64 dims of a head
-  int q_lora = 1024;          // Q_LORA
-  int o_lora = 1024;          // O_LORA
-  int o_groups = 8;           // O_GROUPS
-  int idx_n_heads = 64;       // indexer heads
-  int idx_head_dim = 128;     // indexer head dim (rope = dims 64..127)
-  int idx_topk = 512;         // IDX_TOPK
-  int n_layers = 43;          // main layers (+1 MTP)
-  int hc_mult = 4;            // hyper-connection streams
+  int hidden = 4096;       // D
+  int n_heads = 64;        // H
+  int head_dim = 512;      // one latent KV row = key = value
+  int rope_dim = 64;       // last 64 dims of a head
+  int q_lora = 1024;       // Q_LORA
+  int o_lora = 1024;       // O_LORA
+  int o_groups = 8;        // O_GROUPS
+  int idx_n_heads = 64;    // indexer heads
+  int idx_head_dim = 128;  // indexer head dim (rope = dims 64..127)
+  int idx_topk = 512;      // IDX_TOPK
+  int n_layers = 43;       // main layers (+1 MTP)
+  int hc_mult = 4;         // hyper-connection streams
   float rms_eps = 1e-6f;
-  float rope_theta = 10000.0f;           // SWA layers, no YaRN
+  float rope_theta = 10000.0f;            // SWA layers, no YaRN
   float compress_rope_theta = 160000.0f;  // CSA/HCA layers, YaRN
   float yarn_factor = 16.0f;
   float yarn_beta_fast = 32.0f;
   float yarn_beta_slow = 1.0f;
   int yarn_orig_len = 65536;
   // --- deployment (spec §1.3)
-  int max_seq_len = 16384;    // kernel budget
-  int page = 128;             // BLOCK_SIZE: rows per page of ori, compressed and index caches
-  int c4_state_page = 4;      // ratio-4 compressor-state page rows
-  int c128_state_page = 8;    // ratio-128 compressor-state page rows
-  int window = 128;           // WIN, inclusive of the current token
-  int attn_k_tile = 128;      // sparse-attention column block
+  int max_seq_len = 16384;  // kernel budget
+  int page = 128;           // BLOCK_SIZE: rows per page of ori, compressed and index caches
+  int c4_state_page = 4;    // ratio-4 compressor-state page rows
+  int c128_state_page = 8;  // ratio-128 compressor-state page rows
+  int window = 128;         // WIN, inclusive of the current token
+  int attn_k_tile = 128;    // sparse-attention column block
 
   constexpr int nope_dim() const { return head_dim - rope_dim; }
   constexpr int heads_per_group() const { return n_heads / o_groups; }
   constexpr int o_group_in() const { return heads_per_group() * head_dim; }
-  constexpr int score_len() const { return max_seq_len / 4; }     // ratio-4 rows per request
+  constexpr int score_len() const { return max_seq_len / 4; }       // ratio-4 rows per request
   constexpr int hca_capacity() const { return max_seq_len / 128; }  // ratio-128 rows per request
   constexpr int ori_table_cols() const { return max_seq_len / page; }
   float softmax_scale() const { return 1.0f / std::sqrt(float(head_dim)); }
@@ -65,9 +67,12 @@ struct ModelConfig {
   // Sparse-attention columns per token: window + compressed list (spec §8.1).
   constexpr int attn_cols(LayerKind k) const {
     switch (k) {
-      case LayerKind::swa: return window;
-      case LayerKind::csa: return window + idx_topk;
-      case LayerKind::hca: return window + hca_capacity();
+      case LayerKind::swa:
+        return window;
+      case LayerKind::csa:
+        return window + idx_topk;
+      case LayerKind::hca:
+        return window + hca_capacity();
     }
     return window;
   }
@@ -80,7 +85,9 @@ struct ModelConfig {
 };
 
 // DeepSeek-V4-Flash (spec §1.1).
-inline constexpr ModelConfig flash_config() { return ModelConfig{.name = "flash"}; }
+inline constexpr ModelConfig flash_config() {
+  return ModelConfig{.name = "flash"};
+}
 
 // DeepSeek-V4-Pro shapes (spec §12); kernels use the same 16384 budget.
 inline constexpr ModelConfig pro_config() {

@@ -16,9 +16,15 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
-inline std::string to_text(std::string_view s) { return std::string(s); }
-inline std::string to_text(const char* s) { return std::string(s); }
-inline std::string to_text(const std::string& s) { return s; }
+inline std::string to_text(std::string_view s) {
+  return std::string(s);
+}
+inline std::string to_text(const char* s) {
+  return std::string(s);
+}
+inline std::string to_text(const std::string& s) {
+  return s;
+}
 template <class T>
 std::string to_text(const T& v) {
   return std::to_string(v);
@@ -37,8 +43,7 @@ template <class V>
 template <class V>
 inline void check_range(std::string_view where, std::string_view arg, V value, V lo, V hi) {
   if (value < lo || value >= hi) {
-    throw_arg(where, arg, value,
-              "[" + detail::to_text(lo) + ", " + detail::to_text(hi) + ")");
+    throw_arg(where, arg, value, "[" + detail::to_text(lo) + ", " + detail::to_text(hi) + ")");
   }
 }
 

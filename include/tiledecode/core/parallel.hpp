@@ -26,8 +26,8 @@ namespace tiledecode {
 class FunctionRef {
  public:
   template <class F>
-    requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef>)
-  FunctionRef(F&& f)  // NOLINT: implicit by design
+  requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef>)
+      FunctionRef(F&& f)  // NOLINT: implicit by design
       : obj_(const_cast<void*>(static_cast<const void*>(std::addressof(f)))),
         call_([](void* o, std::size_t i) { (*static_cast<std::remove_reference_t<F>*>(o))(i); }) {}
   void operator()(std::size_t i) const { call_(obj_, i); }

@@ -49,8 +49,9 @@ class View {
 
   // A view of const T from a view of T.
   template <class U>
-    requires(std::is_same_v<const U, T> && !std::is_same_v<U, T>)
-  constexpr View(const View<U, Rank>& o) : data_(o.data()), shape_(o.shape()), stride_(o.strides()) {}
+  requires(std::is_same_v<const U, T> &&
+           !std::is_same_v<U, T>) constexpr View(const View<U, Rank>& o)
+      : data_(o.data()), shape_(o.shape()), stride_(o.strides()) {}
 
   constexpr T* data() const { return data_; }
   constexpr const Extents& shape() const { return shape_; }
@@ -73,8 +74,7 @@ class View {
   }
 
   template <class... I>
-    requires(sizeof...(I) == Rank)
-  constexpr T& operator()(I... idx) const {
+  requires(sizeof...(I) == Rank) constexpr T& operator()(I... idx) const {
 #ifdef TILEDECODE_CHECKED_VIEWS
     return at(idx...);
 #else
@@ -84,8 +84,7 @@ class View {
 
   // Bounds-checked element access.
   template <class... I>
-    requires(sizeof...(I) == Rank)
-  T& at(I... idx) const {
+  requires(sizeof...(I) == Rank) T& at(I... idx) const {
     const std::array<index_t, Rank> i{static_cast<index_t>(idx)...};
     for (std::size_t d = 0; d < Rank; ++d) {
       if (i[d] < 0 || i[d] >= shape_[d]) {
@@ -98,9 +97,7 @@ class View {
   }
 
   // Drop the first dimension: element `i` of dimension 0.
-  constexpr auto row(index_t i) const
-    requires(Rank >= 2)
-  {
+  constexpr auto row(index_t i) const requires(Rank >= 2) {
     std::array<index_t, Rank - 1> sh{}, st{};
     for (std::size_t d = 1; d < Rank; ++d) {
       sh[d - 1] = shape_[d];
@@ -130,9 +127,7 @@ class View {
   }
 
   // A 1-D contiguous view as a std::span.
-  constexpr std::span<T> span() const
-    requires(Rank == 1)
-  {
+  constexpr std::span<T> span() const requires(Rank == 1) {
     return std::span<T>(data_, static_cast<std::size_t>(shape_[0]));
   }
 
@@ -165,20 +160,21 @@ class Buffer {
   explicit Buffer(std::size_t n) : n_(n) {
     if (n == 0) return;
     const std::size_t bytes = (n * sizeof(T) + kAlign - 1) / kAlign * kAlign;
-    data_ = static_cast<T*>(::operator new(bytes, std::align_val_t{kAlign}));
+    data_ = static_cast<T*>(::operator new (bytes, std::align_val_t{kAlign}));
     std::memset(static_cast<void*>(data_), 0, bytes);
   }
   Buffer(const Buffer& o) : Buffer(o.n_) {
     if (n_) std::memcpy(static_cast<void*>(data_), o.data_, n_ * sizeof(T));
   }
-  Buffer(Buffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  Buffer(Buffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), n_(std::exchange(o.n_, 0)) {}
   Buffer& operator=(Buffer o) noexcept {
     std::swap(data_, o.data_);
     std::swap(n_, o.n_);
     return *this;
   }
   ~Buffer() {
-    if (data_) ::operator delete(data_, std::align_val_t{kAlign});
+    if (data_) ::operator delete (data_, std::align_val_t{kAlign});
   }
 
   T* data() { return data_; }

@@ -22,6 +22,8 @@ struct Context {
 };
 
 // Context with the best ISA of this machine on the given executor.
-inline Context make_context(Executor* exec) { return Context{exec, detect_isa()}; }
+inline Context make_context(Executor* exec) {
+  return Context{exec, detect_isa()};
+}
 
 }  // namespace tiledecode::cpu

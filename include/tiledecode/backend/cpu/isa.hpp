@@ -22,7 +22,9 @@ namespace tiledecode::cpu {
 
 enum class Isa { scalar, avx2 };
 
-constexpr std::string_view to_string(Isa isa) { return isa == Isa::avx2 ? "avx2" : "scalar"; }
+constexpr std::string_view to_string(Isa isa) {
+  return isa == Isa::avx2 ? "avx2" : "scalar";
+}
 
 inline bool cpu_has_avx2() {
 #if TILEDECODE_X86 && (defined(__GNUC__) || defined(__clang__))
@@ -33,12 +35,15 @@ inline bool cpu_has_avx2() {
 }
 
 // The best ISA this machine runs.
-inline Isa detect_isa() { return cpu_has_avx2() ? Isa::avx2 : Isa::scalar; }
+inline Isa detect_isa() {
+  return cpu_has_avx2() ? Isa::avx2 : Isa::scalar;
+}
 
 // Validates an explicitly requested ISA (tests force both paths).
 inline Isa checked_isa(Isa requested) {
   if (requested == Isa::avx2 && !cpu_has_avx2()) {
-    throw Error("cpu::checked_isa: argument 'isa' = avx2 is not supported by this CPU; allowed scalar");
+    throw Error(
+        "cpu::checked_isa: argument 'isa' = avx2 is not supported by this CPU; allowed scalar");
   }
   return requested;
 }

@@ -20,7 +20,8 @@ TILEDECODE_TARGET_AVX2 inline __m256 load_bf16x8(const bf16* p) {
 TILEDECODE_TARGET_AVX2 inline __m128i round_bf16x8(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
   const __m256i nan_bits = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
   const __m256 is_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
   r = _mm256_blendv_epi8(r, nan_bits, _mm256_castps_si256(is_nan));
