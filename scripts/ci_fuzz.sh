@@ -42,7 +42,9 @@ for t in $FUZZ_TARGETS; do
   echo "== fuzz: fuzz_$t for ${FUZZ_SECONDS} s from $seeds seed inputs"
   t1=$SECONDS
   # -timeout: one input may take at most 10 s; -rss_limit_mb bounds memory on the CI runner.
-  if "$bin" "$work/$t" -max_total_time="$FUZZ_SECONDS" -timeout=10 -rss_limit_mb=2048 \
+  # A fixed seed (FUZZ_SEED, default 1) keeps a CI run reproducible; set FUZZ_SEED=0 for a
+  # random one when fuzzing by hand.
+  if "$bin" "$work/$t" -seed="${FUZZ_SEED:-1}" -max_total_time="$FUZZ_SECONDS" -timeout=10 -rss_limit_mb=2048 \
        -print_final_stats=1 -artifact_prefix="$FUZZ_ARTIFACTS/${t}-" >"$work/$t.log" 2>&1; then
     grep -E '^(#[0-9]+ +DONE|stat::number_of_executed_units|stat::average_exec_per_sec|stat::peak_rss_mb)' \
       "$work/$t.log" | sed 's/^/   /'
