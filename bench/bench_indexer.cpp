@@ -31,49 +31,10 @@ using td::index_t;
 
 namespace {
 
-#if TILEDECODE_X86
-TILEDECODE_TARGET_AVX2 __attribute__((noinline)) int madd_mix_loop(std::int64_t iters,
-                                                                   const std::int32_t* q) {
-  __m256i k0 = _mm256_set1_epi16(3), k1 = _mm256_set1_epi16(-5);
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-          a7 = a0;
-  for (std::int64_t i = 0; i < iters; ++i) {
-    const std::int32_t* p = q + (i & 63) * 4;
-    const __m256i b0 = _mm256_set1_epi32(p[0]), b1 = _mm256_set1_epi32(p[1]);
-    const __m256i b2 = _mm256_set1_epi32(p[2]), b3 = _mm256_set1_epi32(p[3]);
-    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(k0, b0));
-    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(k1, b0));
-    a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(k0, b1));
-    a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(k1, b1));
-    a4 = _mm256_add_epi32(a4, _mm256_madd_epi16(k0, b2));
-    a5 = _mm256_add_epi32(a5, _mm256_madd_epi16(k1, b2));
-    a6 = _mm256_add_epi32(a6, _mm256_madd_epi16(k0, b3));
-    a7 = _mm256_add_epi32(a7, _mm256_madd_epi16(k1, b3));
-    __asm__ volatile("" : "+x"(k0), "+x"(k1));  // keep the keys opaque: no hoisting
-  }
-  const __m256i s =
-      _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)),
-                       _mm256_add_epi32(_mm256_add_epi32(a4, a5), _mm256_add_epi32(a6, a7)));
-  return _mm256_extract_epi32(s, 0);
-}
-#endif
-
-// Single-thread GOP/s of the score kernel's instruction mix, register/L1 only.
+// Single-thread GOP/s of the score kernel's instruction mix (pre-widened int16 vpmaddwd),
+// register-only (bench/ceilings.hpp).
 double madd_mix_gops() {
-  static const double v = [] {
-#if TILEDECODE_X86
-    if (!td::cpu::cpu_has_avx2()) return 0.0;
-    static std::int32_t q[256];
-    for (int i = 0; i < 256; ++i) q[i] = i * 7 - 300;
-    const std::int64_t iters = 20'000'000;
-    volatile int sink = 0;
-    const double s = tdbench::median_seconds([&] { sink = sink + madd_mix_loop(iters, q); });
-    return double(iters) * 8 * 16 * 2 / s * 1e-9;
-#else
-    return 0.0;
-#endif
-  }();
-  return v;
+  return tdbench::int8_mix_gops<tdbench::Int8Mix::madd16>();
 }
 
 constexpr int kSeq = 2;

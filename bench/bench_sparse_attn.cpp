@@ -1,21 +1,19 @@
 // Sparse attention (SWA 128 cols, HCA 256, CSA 640, pro CSA 1152) and the grouped W8A8 output
 // projection, with the machine ceilings measured in the same process (bench/ceilings.hpp).
 // The machine is shared (2 vCPUs, other jobs), so wall-clock rates swing with the load. Every
-// compute ceiling is therefore also measured in CPU time (register-only loops timed with
-// CLOCK_PROCESS_CPUTIME_ID), and compute efficiencies are CPU-time ratios: FLOP per CPU-second of
-// the kernel ÷ FLOP per CPU-second of the FMA loop. That ratio is what "share of the FMA
-// ceiling" means per busy core, and it does not move with the load. The CPU-time ceiling loops
-// are this file's fma_peak_loop / int8_peak_loop, not ceilings.hpp's fma_loop / int8_sign_loop,
-// which the compiler collapses (see the comment above fma_peak_loop); the collapsed figures are
-// still reported as *_merged_loop counters. The wall-clock counters (fp32_fma_gflops, int8_gops,
-// pct_of_ceiling_wall) still come from ceilings.hpp and carry the same over-count.
+// compute ceiling is therefore also taken in CPU time (tdbench::*_cpu(): the register-only loops
+// timed with the calling thread's CPU clock), and compute efficiencies are CPU-time ratios: FLOP
+// per CPU-second of the kernel (process CPU time, all its threads) ÷ FLOP per CPU-second of the
+// FMA loop. That ratio is the share of the FMA ceiling per busy core, and it does not move with
+// the load. The output projection's INT8 ceiling is the best exact s8 × s8 mix
+// (tdbench::int8_gops_cpu(); in practice the wo_b tile's own mix).
 //   sparse attention: FLOP = Σ_t valid_cols(t) · H · 512 · 4 (QKᵀ and PV, 2 FLOP per FMA lane);
 //     pct_of_ceiling      = (FLOP / kernel CPU-s) ÷ cpu_fma_gflops          (per busy core)
 //     pct_of_ceiling_wall = (FLOP / wall-s) ÷ (tdbench::fp32_fma_gflops() · threads)
 //   output projection: weights read once per call (wo_a BF16 + wo_b INT8);
 //     pct_of_compute = (wo_a FLOP / cpu_fma + wo_b OP / cpu_int8) ÷ kernel CPU-s
-//     pct_of_read_bw = one thread: (bytes / kernel CPU-s) ÷ cpu_read_gbps (same loop as
-//                      read_gbps(1), timed in CPU time); more threads: (bytes / wall-s) ÷
+//     pct_of_read_bw = one thread: (bytes / kernel CPU-s) ÷ tdbench::read_gbps_cpu() (the
+//                      read_gbps(1) loop in CPU time); more threads: (bytes / wall-s) ÷
 //                      tdbench::read_gbps(threads)
 //     pct_of_ceiling = the one of the two whose roofline time is larger (the binding bound).
 #include <benchmark/benchmark.h>
@@ -23,7 +21,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <ctime>
 #include <map>
 #include <memory>
 #include <span>
@@ -45,149 +42,17 @@ using td::LayerKind;
 
 namespace {
 
-double process_cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
+using tdbench::process_cpu_seconds;
 
-template <class F>
-double median_cpu_seconds(F&& f, int reps = 5) {
-  std::vector<double> t;
-  for (int r = 0; r < reps; ++r) {
-    const double t0 = process_cpu_seconds();
-    f();
-    t.push_back(process_cpu_seconds() - t0);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
-// Register-only ceiling loops, per CPU-second of one thread.
-// tdbench::fma_loop and tdbench::int8_sign_loop (bench/ceilings.hpp) are NOT used as the
-// ceilings: GCC 12 -O3 proves their accumulators (resp. their inputs) identical and merges them.
-// fma_loop compiles to ONE vfmadd132ps per iteration (a single 4-cycle latency chain) while
-// counting 10, so it reports 10·16 FLOP per 4 cycles = 40 FLOP/cycle, 1.25× the hardware peak of
-// 2 FMA × 8 lanes × 2 = 32 FLOP/cycle; int8_sign_loop keeps 2 vpmaddubsw per iteration while
-// counting 8. The loops below give each chain its own opaque start value (resp. re-opaque the
-// inputs every iteration), so every counted instruction is executed (checked with objdump -d).
-// Both old figures are still reported (`*_merged_loop` counters) for comparison.
-// Marks a register value as modified without emitting an instruction.
-#define SA_OPAQUE(v) __asm__ volatile("" : "+x"(v))
-
-TILEDECODE_TARGET_AVX2 [[gnu::noinline]] float fma_peak_loop(std::int64_t iters) {
-  __m256 a[12];
-  for (int i = 0; i < 12; ++i) {
-    a[i] = _mm256_set1_ps(0.1f + 0.01f * float(i));
-    SA_OPAQUE(a[i]);
-  }
-  const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
-  for (std::int64_t it = 0; it < iters; ++it) {
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], m, c);
-  }
-  __m256 s = a[0];
-  for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, a[i]);
-  return _mm256_cvtss_f32(s);
-}
-
-// Exact s8 × s8 sign-trick mix of the wo_b tile (2 weight vectors × 4 token vectors): per 32
-// pairs vpsignb + vpmaddubsw + vpmaddwd + vpaddd, plus one |w| per weight vector per 4 tokens.
-TILEDECODE_TARGET_AVX2 [[gnu::noinline]] int int8_peak_loop(std::int64_t iters) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i w0 = _mm256_set1_epi8(3), w1 = _mm256_set1_epi8(-5);
-  __m256i x0 = _mm256_set1_epi8(7), x1 = _mm256_set1_epi8(-9), x2 = _mm256_set1_epi8(11),
-          x3 = _mm256_set1_epi8(13);
-  __m256i c[8];
-  for (auto& v : c) v = _mm256_setzero_si256();
-  for (std::int64_t it = 0; it < iters; ++it) {
-    SA_OPAQUE(w0);
-    SA_OPAQUE(w1);
-    SA_OPAQUE(x0);
-    SA_OPAQUE(x1);
-    SA_OPAQUE(x2);
-    SA_OPAQUE(x3);
-    const __m256i aw0 = _mm256_sign_epi8(w0, w0), aw1 = _mm256_sign_epi8(w1, w1);
-    const __m256i xs[4] = {x0, x1, x2, x3};
-#pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) {
-      c[2 * t] = _mm256_add_epi32(
-          c[2 * t],
-          _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(xs[t], w0)), ones));
-      c[2 * t + 1] = _mm256_add_epi32(
-          c[2 * t + 1],
-          _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xs[t], w1)), ones));
-    }
-  }
-  __m256i s = c[0];
-  for (int k = 1; k < 8; ++k) s = _mm256_add_epi32(s, c[k]);
-  return _mm256_extract_epi32(s, 0);
-}
-#undef SA_OPAQUE
-
+// Per-CPU-second ceilings (bench/ceilings.hpp), under the counter names this file reports.
 double cpu_fma_gflops() {
-  static const double v = [] {
-    if (!td::cpu::cpu_has_avx2()) return 0.0;
-    const std::int64_t iters = 20'000'000;
-    volatile float sink = 0;
-    const double s = median_cpu_seconds([&] { sink = sink + fma_peak_loop(iters); });
-    return double(iters) * 12 * 8 * 2 / s * 1e-9;
-  }();
-  return v;
+  return tdbench::fp32_fma_gflops_cpu();
 }
 double cpu_int8_gops() {
-  static const double v = [] {
-    if (!td::cpu::cpu_has_avx2()) return 0.0;
-    const std::int64_t iters = 10'000'000;
-    volatile int sink = 0;
-    const double s = median_cpu_seconds([&] { sink = sink + int8_peak_loop(iters); });
-    return double(iters) * 8 * 32 * 2 / s * 1e-9;
-  }();
-  return v;
+  return tdbench::int8_gops_cpu();
 }
-// The ceilings.hpp loops in CPU time (see above: they over-count executed instructions).
-double cpu_fma_gflops_merged_loop() {
-  static const double v = [] {
-    if (!td::cpu::cpu_has_avx2()) return 0.0;
-    const std::int64_t iters = 20'000'000;
-    volatile float sink = 0;
-    const double s = median_cpu_seconds([&] { sink = sink + tdbench::fma_loop(iters); });
-    return double(iters) * 10 * 8 * 2 / s * 1e-9;
-  }();
-  return v;
-}
-double cpu_int8_gops_merged_loop() {
-  static const double v = [] {
-    if (!td::cpu::cpu_has_avx2()) return 0.0;
-    const std::int64_t iters = 10'000'000;
-    volatile int sink = 0;
-    const double s = median_cpu_seconds([&] { sink = sink + tdbench::int8_sign_loop(iters); });
-    return double(iters) * 8 * 32 * 2 / s * 1e-9;
-  }();
-  return v;
-}
-
-// Single-thread streaming read bandwidth per CPU-second (GB/s), same loop shape as
-// tdbench::read_gbps over a 256 MiB buffer: the memory ceiling in the same units as the kernel's
-// CPU time (a wall-clock bandwidth swings with the other jobs on this shared machine).
 double cpu_read_gbps() {
-  static const double v = [] {
-    const std::size_t n = (std::size_t(256) << 20) / sizeof(std::uint64_t);
-    std::vector<std::uint64_t> buf(n, 1);
-    volatile std::uint64_t sink = 0;
-    const double s = median_cpu_seconds([&] {
-      std::uint64_t a = 0, b = 0, c = 0, d = 0;
-      for (std::size_t i = 0; i + 4 <= n; i += 4) {
-        a += buf[i];
-        b += buf[i + 1];
-        c += buf[i + 2];
-        d += buf[i + 3];
-      }
-      sink = sink + a + b + c + d;
-    });
-    return double(n * sizeof(std::uint64_t)) / s * 1e-9;
-  }();
-  return v;
+  return tdbench::read_gbps_cpu();
 }
 
 struct AttnProblem {
@@ -282,8 +147,6 @@ void bm_sparse_attn(benchmark::State& state, td::ModelConfig cfg, LayerKind kind
   state.counters["gflop_per_cpu_s"] = p.flops * n / cpu * 1e-9;
   state.counters["pct_of_ceiling"] = 100.0 * (p.flops * n / cpu * 1e-9) / cpu_fma_gflops();
   state.counters["pct_of_ceiling_wall"] = 100.0 * (p.flops * n / secs * 1e-9) / wall_ceiling;
-  state.counters["pct_of_merged_loop"] =
-      100.0 * (p.flops * n / cpu * 1e-9) / cpu_fma_gflops_merged_loop();
 }
 
 struct OprojProblem {
@@ -350,10 +213,6 @@ void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int threa
   state.counters["cpu_int8_gops"] = cpu_int8_gops();
   state.counters["pct_of_read_bw"] = pct_mem;
   state.counters["pct_of_compute"] = pct_cmp;
-  state.counters["pct_of_compute_merged_loops"] = 100.0 *
-                                                  (flops_a / (cpu_fma_gflops_merged_loop() * 1e9) +
-                                                   ops_b / (cpu_int8_gops_merged_loop() * 1e9)) /
-                                                  c;
   // Binding bound: one thread compares CPU-time rooflines, several compare wall-clock ones.
   const bool mem_bound =
       threads == 1 ? bytes / (cpu_read_gbps() * 1e9) > c_cmp : t_mem > c_cmp / threads;
@@ -367,11 +226,11 @@ void bm_ceilings(benchmark::State& state) {
   state.counters["int8_gops"] = tdbench::int8_gops();
   state.counters["read_gbps_1"] = tdbench::read_gbps(1);
   state.counters["read_gbps_2"] = tdbench::read_gbps(2);
+  state.counters["fp32_fma_gflops_2t"] = tdbench::fp32_fma_gflops_threads(2);
   state.counters["cpu_fma_gflops"] = cpu_fma_gflops();
   state.counters["cpu_int8_gops"] = cpu_int8_gops();
   state.counters["cpu_read_gbps"] = cpu_read_gbps();
-  state.counters["cpu_fma_gflops_merged_loop"] = cpu_fma_gflops_merged_loop();
-  state.counters["cpu_int8_gops_merged_loop"] = cpu_int8_gops_merged_loop();
+  state.counters["cpu_int8_sign_gops"] = tdbench::int8_mix_gops<tdbench::Int8Mix::sign, true>();
 }
 
 const int kRegistered = [] {

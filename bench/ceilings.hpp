@@ -1,16 +1,27 @@
 #pragma once
-// Machine ceilings measured in the same process as the kernels they bound:
-//   fp32_fma_gflops   register-only FMA loop, 12 independent chains (2 FLOP per lane per FMA), 1
-//   thread int8_gops         register-only INT8 multiply-add loops (sign-trick vpmaddubsw mix and
-//   the
-//                     widening vpmaddwd mix), the better of the two; 2 OP per int8 pair, 1 thread
-//   read_gbps(n)      streaming read bandwidth over a 256 MiB buffer with n threads
+// Machine ceilings measured in the same process as the kernels they bound. Wall clock:
+//   fp32_fma_gflops()
+//       register-only FMA loop, 12 independent chains, 2 FLOP per lane per FMA; 1 thread.
+//   fp32_fma_gflops_threads(n)
+//       the same loop on n threads at once, aggregate GFLOP/s (does 2 cores give 2x one core?).
+//   int8_gops()
+//       register-only INT8 multiply-add loops (the sign-trick vpmaddubsw mix and the widening
+//       vpmaddwd mix), the better of the two; 2 OP per int8 pair; 1 thread.
+//   read_gbps(n)
+//       streaming read bandwidth over a 256 MiB buffer with n threads.
+// CPU time of the calling thread (robust to other jobs on a shared machine; per busy core):
+//   fp32_fma_gflops_cpu(), int8_sign_gops_cpu(), int8_widen_gops_cpu(),
+//   int8_madd16_gops_cpu(), int8_tile_mix_gops_cpu(), read_gbps_cpu()
+//       the same loops (read: the 1-thread loop), timed with thread_cpu_seconds().
+//   read_gbps_cpu_threads(n)
+//       the read loop on n threads, each timed by its own CPU time; the slowest reader counts.
 // Each is measured once per process (median of 5) and cached.
 
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <ctime>
 #include <thread>
 #include <vector>
 
@@ -27,6 +38,33 @@ double median_seconds(F&& f, int reps = 5) {
     const auto t0 = clock_type::now();
     f();
     t.push_back(std::chrono::duration<double>(clock_type::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// CPU seconds consumed by the calling thread / by the whole process (all threads). The ceiling
+// loops run on one thread and use the former; a kernel timed across a thread pool needs the
+// latter.
+inline double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+inline double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+// Median thread CPU time of `reps` calls of f().
+template <class F>
+double median_cpu_seconds(F&& f, int reps = 5) {
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const double t0 = thread_cpu_seconds();
+    f();
+    t.push_back(thread_cpu_seconds() - t0);
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
@@ -107,89 +145,283 @@ TILEDECODE_TARGET_AVX2 inline int int8_widen_loop(std::int64_t iters) {
   for (int k = 1; k < 8; ++k) s = _mm256_add_epi32(s, c[k]);
   return _mm256_extract_epi32(s, 0);
 }
+
+// Pre-widened mix: both operands already int16, vpmaddwd + vpaddd per 16 pairs — the indexer
+// score's inner loop (keys widened once per 16-row block and reused by all 64 heads, queries once
+// per task, so the vpmovsxbw of int8_widen_loop is amortised away). 4 constant × 2 opaque inputs
+// give 8 distinct products, none hoistable; 8 accumulator chains. Only the 2 inputs are opaqued:
+// opaquing all 6 spills accumulators to the stack (16 ymm registers).
+TILEDECODE_TARGET_AVX2 inline int int8_madd16_loop(std::int64_t iters) {
+  const __m256i k0 = _mm256_set1_epi16(3), k1 = _mm256_set1_epi16(-5), k2 = _mm256_set1_epi16(7),
+                k3 = _mm256_set1_epi16(-9);
+  __m256i b0 = _mm256_set1_epi16(11), b1 = _mm256_set1_epi16(-13);
+  // Named accumulators, not an array: with an array GCC copies every chain through a second
+  // register and spills two of them each iteration.
+  __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0,
+          c7 = c0;
+  for (std::int64_t i = 0; i < iters; ++i) {
+    TDBENCH_OPAQUE(b0);
+    TDBENCH_OPAQUE(b1);
+    c0 = _mm256_add_epi32(c0, _mm256_madd_epi16(k0, b0));
+    c1 = _mm256_add_epi32(c1, _mm256_madd_epi16(k1, b0));
+    c2 = _mm256_add_epi32(c2, _mm256_madd_epi16(k2, b0));
+    c3 = _mm256_add_epi32(c3, _mm256_madd_epi16(k3, b0));
+    c4 = _mm256_add_epi32(c4, _mm256_madd_epi16(k0, b1));
+    c5 = _mm256_add_epi32(c5, _mm256_madd_epi16(k1, b1));
+    c6 = _mm256_add_epi32(c6, _mm256_madd_epi16(k2, b1));
+    c7 = _mm256_add_epi32(c7, _mm256_madd_epi16(k3, b1));
+  }
+  const __m256i s =
+      _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)),
+                       _mm256_add_epi32(_mm256_add_epi32(c4, c5), _mm256_add_epi32(c6, c7)));
+  return _mm256_extract_epi32(s, 0);
+}
+
+// The output projection's wo_b tile mix (2 weight vectors × 4 token vectors, exact s8 × s8 via
+// the sign trick): per 32 pairs one vpsignb (token sign) + vpmaddubsw + vpmaddwd + vpaddd, plus
+// |w| (one vpsignb) per weight vector amortised over the 4 tokens. It needs 1.25 vpsignb per 32
+// pairs instead of int8_sign_loop's 2, so it bounds that tile more tightly than int8_gops().
+// Every input is re-opaqued each iteration; 8 distinct products, 8 accumulator chains.
+TILEDECODE_TARGET_AVX2 inline int int8_tile_mix_loop(std::int64_t iters) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i w0 = _mm256_set1_epi8(3), w1 = _mm256_set1_epi8(-5);
+  __m256i x0 = _mm256_set1_epi8(7), x1 = _mm256_set1_epi8(-9), x2 = _mm256_set1_epi8(11),
+          x3 = _mm256_set1_epi8(13);
+  __m256i c[8];
+  for (auto& v : c) v = _mm256_setzero_si256();
+  for (std::int64_t i = 0; i < iters; ++i) {
+    TDBENCH_OPAQUE(w0);
+    TDBENCH_OPAQUE(w1);
+    TDBENCH_OPAQUE(x0);
+    TDBENCH_OPAQUE(x1);
+    TDBENCH_OPAQUE(x2);
+    TDBENCH_OPAQUE(x3);
+    const __m256i aw0 = _mm256_sign_epi8(w0, w0), aw1 = _mm256_sign_epi8(w1, w1);
+    const __m256i xs[4] = {x0, x1, x2, x3};
+    for (int t = 0; t < 4; ++t) {
+      c[2 * t] = _mm256_add_epi32(
+          c[2 * t],
+          _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(xs[t], w0)), ones));
+      c[2 * t + 1] = _mm256_add_epi32(
+          c[2 * t + 1],
+          _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xs[t], w1)), ones));
+    }
+  }
+  __m256i s = c[0];
+  for (int k = 1; k < 8; ++k) s = _mm256_add_epi32(s, c[k]);
+  return _mm256_extract_epi32(s, 0);
+}
 #undef TDBENCH_OPAQUE
 #endif
 
-// Single-thread FP32 FMA ceiling in GFLOP/s (2 FLOP per lane per FMA).
+namespace detail {
+
+// Median seconds of f(): wall clock, or CPU time of the calling thread.
+template <class F>
+double median_time(bool cpu_time, F&& f) {
+  return cpu_time ? median_cpu_seconds(f) : median_seconds(f);
+}
+
+inline double fma_rate(bool cpu_time) {
+#if TILEDECODE_X86
+  if (!tiledecode::cpu::cpu_has_avx2()) return 0.0;
+  const std::int64_t iters = 20'000'000;
+  volatile float sink = 0;
+  const double s = median_time(cpu_time, [&] { sink = sink + fma_loop(iters); });
+  return double(iters) * 12 * 8 * 2 / s * 1e-9;
+#else
+  (void)cpu_time;
+  return 0.0;
+#endif
+}
+
+// Which INT8 loop: the sign-trick mix, the widening mix, the pre-widened mix, or the wo_b tile
+// mix.
+enum class Int8Mix { sign, widen, madd16, tile };
+
+inline double int8_rate(Int8Mix mix, bool cpu_time) {
+#if TILEDECODE_X86
+  if (!tiledecode::cpu::cpu_has_avx2()) return 0.0;
+  const std::int64_t iters = 10'000'000;
+  volatile int sink = 0;
+  double pairs_per_iter = 8 * 32;
+  double s = 0;
+  switch (mix) {
+    case Int8Mix::sign:
+      s = median_time(cpu_time, [&] { sink = sink + int8_sign_loop(iters); });
+      break;
+    case Int8Mix::widen:
+      pairs_per_iter = 8 * 16;
+      s = median_time(cpu_time, [&] { sink = sink + int8_widen_loop(iters); });
+      break;
+    case Int8Mix::madd16:
+      pairs_per_iter = 8 * 16;
+      s = median_time(cpu_time, [&] { sink = sink + int8_madd16_loop(iters); });
+      break;
+    case Int8Mix::tile:
+      s = median_time(cpu_time, [&] { sink = sink + int8_tile_mix_loop(iters); });
+      break;
+  }
+  return double(iters) * pairs_per_iter * 2 / s * 1e-9;
+#else
+  (void)mix;
+  (void)cpu_time;
+  return 0.0;
+#endif
+}
+
+// Sums buf[lo, hi) with 4 independent chains (the streaming-read loop).
+inline std::uint64_t read_sum(const std::uint64_t* buf, std::size_t lo, std::size_t hi) {
+  std::uint64_t a = 0, b = 0, c = 0, d = 0;
+  for (std::size_t i = lo; i + 4 <= hi; i += 4) {
+    a += buf[i];
+    b += buf[i + 1];
+    c += buf[i + 2];
+    d += buf[i + 3];
+  }
+  return a + b + c + d;
+}
+
+constexpr std::size_t kReadWords = (std::size_t(256) << 20) / sizeof(std::uint64_t);
+
+// cache[threads - 1], computed by f() on first use; 0 for thread counts outside 1..8.
+template <class F>
+double cached_for(double (&cache)[8], int threads, F&& f) {
+  if (threads < 1 || threads > 8) return 0.0;
+  if (cache[threads - 1] <= 0) cache[threads - 1] = f();
+  return cache[threads - 1];
+}
+
+// Runs f(0) .. f(threads - 1) concurrently, f(0) on the calling thread, and joins.
+template <class F>
+void run_on_threads(int threads, F&& f) {
+  std::vector<std::thread> ts;
+  for (int k = 1; k < threads; ++k) ts.emplace_back([&f, k] { f(k); });
+  f(0);
+  for (auto& th : ts) th.join();
+}
+
+}  // namespace detail
+
+// Single-thread FP32 FMA ceiling in GFLOP/s (2 FLOP per lane per FMA), wall clock.
 inline double fp32_fma_gflops() {
-  static const double v = [] {
+  static const double v = detail::fma_rate(false);
+  return v;
+}
+
+// The same, per CPU-second of the calling thread: the per-busy-core ceiling on a shared machine.
+inline double fp32_fma_gflops_cpu() {
+  static const double v = detail::fma_rate(true);
+  return v;
+}
+
+// Aggregate FP32 FMA rate (GFLOP/s, wall clock) of `threads` threads each running fma_loop at
+// once (the caller is one of them). Compared with `threads` × fp32_fma_gflops() it shows what
+// running more cores costs per core (clock drop, shared cores, other jobs). 0 outside 1..8.
+inline double fp32_fma_gflops_threads(int threads) {
+  static double cache[8] = {};
+  return detail::cached_for(cache, threads, [threads]() -> double {
 #if TILEDECODE_X86
     if (!tiledecode::cpu::cpu_has_avx2()) return 0.0;
     const std::int64_t iters = 20'000'000;
+    std::vector<float> out(threads);
     volatile float sink = 0;
-    const double s = median_seconds([&] { sink = sink + fma_loop(iters); });
-    return double(iters) * 12 * 8 * 2 / s * 1e-9;
+    const double s = median_seconds([&] {
+      detail::run_on_threads(threads, [&](int k) { out[k] = fma_loop(iters); });
+      for (float o : out) sink = sink + o;
+    });
+    return double(threads) * double(iters) * 12 * 8 * 2 / s * 1e-9;
 #else
     return 0.0;
 #endif
-  }();
-  return v;
+  });
 }
 
 // Single-thread INT8 multiply-add ceilings in GOP/s (2 OP per int8 pair), throughput-bound
-// register-only loops: the sign-trick mix (32 pairs per vpmaddubsw) and the widening mix (16 pairs
-// per vpmaddwd). `int8_gops()` is the better of the two: the machine's AVX2 INT8 ceiling.
-inline double int8_sign_gops() {
-  static const double v = [] {
-#if TILEDECODE_X86
-    if (!tiledecode::cpu::cpu_has_avx2()) return 0.0;
-    const std::int64_t iters = 10'000'000;
-    volatile int sink = 0;
-    const double s = median_seconds([&] { sink = sink + int8_sign_loop(iters); });
-    return double(iters) * 8 * 32 * 2 / s * 1e-9;
-#else
-    return 0.0;
-#endif
-  }();
+// register-only loops, one per exact signed × signed AVX2 instruction mix: the sign trick (32 pairs
+// per vpmaddubsw, 2 vpsignb), the widening mix (vpmovsxbw + vpmaddwd, 16 pairs), the pre-widened
+// int16 mix (vpmaddwd only: the indexer score's inner loop) and the wo_b tile mix (1.25 vpsignb
+// per vpmaddubsw). `int8_gops()` is the best of them: the machine's exact AVX2 INT8 ceiling, which
+// every kernel's INT8 share is measured against.
+using detail::Int8Mix;
+
+// One mix's ceiling, measured once per process and cached; kCpuTime: per CPU-second of the
+// calling thread instead of wall clock.
+template <Int8Mix kMix, bool kCpuTime = false>
+double int8_mix_gops() {
+  static const double v = detail::int8_rate(kMix, kCpuTime);
   return v;
-}
-inline double int8_widen_gops() {
-  static const double v = [] {
-#if TILEDECODE_X86
-    if (!tiledecode::cpu::cpu_has_avx2()) return 0.0;
-    const std::int64_t iters = 10'000'000;
-    volatile int sink = 0;
-    const double s = median_seconds([&] { sink = sink + int8_widen_loop(iters); });
-    return double(iters) * 8 * 16 * 2 / s * 1e-9;
-#else
-    return 0.0;
-#endif
-  }();
-  return v;
-}
-inline double int8_gops() {
-  return std::max(int8_sign_gops(), int8_widen_gops());
 }
 
-// Streaming read bandwidth (GB/s) with `threads` threads over a 256 MiB buffer.
+template <bool kCpuTime = false>
+double int8_best_gops() {
+  return std::max(
+      {int8_mix_gops<Int8Mix::sign, kCpuTime>(), int8_mix_gops<Int8Mix::widen, kCpuTime>(),
+       int8_mix_gops<Int8Mix::madd16, kCpuTime>(), int8_mix_gops<Int8Mix::tile, kCpuTime>()});
+}
+inline double int8_gops() {
+  return int8_best_gops<false>();
+}
+inline double int8_gops_cpu() {
+  return int8_best_gops<true>();
+}
+
+// Streaming read bandwidth (GB/s) with `threads` threads over a 256 MiB buffer, wall clock.
 inline double read_gbps(int threads) {
   static double cache[8] = {};
-  if (threads < 1 || threads > 8) return 0.0;
-  if (cache[threads - 1] > 0) return cache[threads - 1];
-  const std::size_t n = (std::size_t(256) << 20) / sizeof(std::uint64_t);
-  std::vector<std::uint64_t> buf(n, 1);
-  auto read_part = [&](std::size_t lo, std::size_t hi, std::uint64_t* out) {
-    std::uint64_t a = 0, b = 0, c = 0, d = 0;
-    for (std::size_t i = lo; i + 4 <= hi; i += 4) {
-      a += buf[i];
-      b += buf[i + 1];
-      c += buf[i + 2];
-      d += buf[i + 3];
-    }
-    *out = a + b + c + d;
-  };
-  volatile std::uint64_t sink = 0;
-  const double s = median_seconds([&] {
-    std::vector<std::uint64_t> out(threads);
-    std::vector<std::thread> ts;
-    for (int t = 1; t < threads; ++t)
-      ts.emplace_back(read_part, n * t / threads, n * (t + 1) / threads, &out[t]);
-    read_part(0, n / threads, &out[0]);
-    for (auto& th : ts) th.join();
-    for (auto o : out) sink = sink + o;
+  return detail::cached_for(cache, threads, [threads] {
+    const std::size_t n = detail::kReadWords;
+    std::vector<std::uint64_t> buf(n, 1);
+    volatile std::uint64_t sink = 0;
+    const double s = median_seconds([&] {
+      std::vector<std::uint64_t> out(threads);
+      detail::run_on_threads(threads, [&](int k) {
+        out[k] = detail::read_sum(buf.data(), n * k / threads, n * (k + 1) / threads);
+      });
+      for (auto o : out) sink = sink + o;
+    });
+    return double(n * sizeof(std::uint64_t)) / s * 1e-9;
   });
-  cache[threads - 1] = double(n * sizeof(std::uint64_t)) / s * 1e-9;
-  return cache[threads - 1];
+}
+
+// Single-thread streaming read bandwidth (GB/s) per CPU-second of the calling thread: the same
+// loop as read_gbps(1), in the units of a kernel's CPU time (robust to other jobs' load).
+inline double read_gbps_cpu() {
+  static const double v = [] {
+    const std::size_t n = detail::kReadWords;
+    std::vector<std::uint64_t> buf(n, 1);
+    volatile std::uint64_t sink = 0;
+    const double s = median_cpu_seconds([&] { sink = sink + detail::read_sum(buf.data(), 0, n); });
+    return double(n * sizeof(std::uint64_t)) / s * 1e-9;
+  }();
+  return v;
+}
+
+// Aggregate streaming read bandwidth (GB/s) of `threads` concurrent readers, each timed by its
+// own thread CPU time; the slowest reader sets the time (median of 5). The read_gbps(threads)
+// loop in CPU-time units: what `threads` busy cores can stream while sharing the memory system,
+// without the time other jobs took from them. 0 outside 1..8.
+inline double read_gbps_cpu_threads(int threads) {
+  static double cache[8] = {};
+  return detail::cached_for(cache, threads, [threads] {
+    const std::size_t n = detail::kReadWords;
+    std::vector<std::uint64_t> buf(n, 1);
+    volatile std::uint64_t sink = 0;
+    std::vector<double> t;
+    for (int rep = 0; rep < 5; ++rep) {
+      std::vector<double> secs(threads);
+      std::vector<std::uint64_t> out(threads);
+      detail::run_on_threads(threads, [&](int k) {
+        const double c0 = thread_cpu_seconds();
+        out[k] = detail::read_sum(buf.data(), n * k / threads, n * (k + 1) / threads);
+        secs[k] = thread_cpu_seconds() - c0;
+      });
+      for (auto o : out) sink = sink + o;
+      t.push_back(*std::max_element(secs.begin(), secs.end()));
+    }
+    std::sort(t.begin(), t.end());
+    return double(n * sizeof(std::uint64_t)) / t[t.size() / 2] * 1e-9;
+  });
 }
 
 }  // namespace tdbench

@@ -24,7 +24,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <ctime>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -280,15 +279,10 @@ struct Stat {
 };
 
 double process_cpu_us() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) * 1e6 + double(ts.tv_nsec) * 1e-3;
+  return tdbench::process_cpu_seconds() * 1e6;
 }
-
 double thread_cpu_us() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) * 1e6 + double(ts.tv_nsec) * 1e-3;
+  return tdbench::thread_cpu_seconds() * 1e6;
 }
 
 // Items sampled round-robin: one warm-up run each, then rounds of one timed run per item until
@@ -333,137 +327,6 @@ std::vector<Stat> measure_interleaved(const std::vector<Timed>& items, double mi
 // calling thread; more threads → minimum wall time.
 double headline(const Stat& s, int threads) {
   return threads == 1 ? s.cpu_median : s.wall_min;
-}
-
-// ---- ceilings, timed like the kernels -------------------------------------------------------
-// The register-only loops of bench/ceilings.hpp (same instruction mix), but timed by the
-// calling thread's CPU time, best of 5, so that a loaded machine does not deflate them; the
-// read bandwidth likewise (per-thread CPU time of each reader, the slowest reader counts).
-
-template <class F>
-double best_cpu_seconds(F&& f, int reps = 5) {
-  double best = 1e30;
-  for (int r = 0; r < reps; ++r) {
-    const double c0 = thread_cpu_us();
-    f();
-    best = std::min(best, (thread_cpu_us() - c0) * 1e-6);
-  }
-  return best;
-}
-
-double cpu_fma_gflops() {
-#if TILEDECODE_X86
-  if (!td::cpu::cpu_has_avx2()) return 0.0;
-  const std::int64_t iters = 20'000'000;
-  volatile float sink = 0;
-  const double s = best_cpu_seconds([&] { sink = sink + tdbench::fma_loop(iters); });
-  return double(iters) * 10 * 8 * 2 / s * 1e-9;
-#else
-  return 0.0;
-#endif
-}
-
-#if TILEDECODE_X86
-// INT8 throughput loops with every product distinct (8 different operand pairs per iteration)
-// and every input opaque each iteration (empty asm), so the compiler can neither hoist nor
-// common them up, and no chain through the accumulators' latency. ceilings.hpp's int8 loops
-// alternate two inputs over 8 products, which lets the compiler compute each product once and
-// add it 4 times (they over-report); the FP32 FMA loop there is fine.
-//   widen: int16 operands (pre-widened, as the indexer's tile), vpmaddwd + vpaddd, 16 pairs/op
-//   sign:  2 × vpsignb, vpmaddubsw, vpmaddwd, vpaddd per 32 pairs
-TILEDECODE_TARGET_AVX2 int widen_madd_loop(std::int64_t iters) {
-  // 4 constant × 2 opaque operands = 8 distinct products; 14 live registers (no spills).
-  const __m256i k0 = _mm256_set1_epi16(3), k1 = _mm256_set1_epi16(-5), k2 = _mm256_set1_epi16(7),
-                k3 = _mm256_set1_epi16(-9);
-  __m256i b0 = _mm256_set1_epi16(11), b1 = _mm256_set1_epi16(-13);
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-          a7 = a0;
-  for (std::int64_t i = 0; i < iters; ++i) {
-    asm volatile("" : "+x"(b0), "+x"(b1));
-    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(k0, b0));
-    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(k1, b0));
-    a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(k2, b0));
-    a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(k3, b0));
-    a4 = _mm256_add_epi32(a4, _mm256_madd_epi16(k0, b1));
-    a5 = _mm256_add_epi32(a5, _mm256_madd_epi16(k1, b1));
-    a6 = _mm256_add_epi32(a6, _mm256_madd_epi16(k2, b1));
-    a7 = _mm256_add_epi32(a7, _mm256_madd_epi16(k3, b1));
-  }
-  const __m256i s =
-      _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)),
-                       _mm256_add_epi32(_mm256_add_epi32(a4, a5), _mm256_add_epi32(a6, a7)));
-  return _mm256_extract_epi32(s, 0);
-}
-
-TILEDECODE_TARGET_AVX2 int sign_madd_loop(std::int64_t iters) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i x0 = _mm256_set1_epi8(3), x1 = _mm256_set1_epi8(-5), x2 = _mm256_set1_epi8(7),
-          x3 = _mm256_set1_epi8(-9), y = _mm256_set1_epi8(11);
-  __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0;
-  for (std::int64_t i = 0; i < iters; ++i) {
-    asm volatile("" : "+x"(y), "+x"(x0), "+x"(x1), "+x"(x2), "+x"(x3));
-    c0 = _mm256_add_epi32(
-        c0, _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_sign_epi8(x0, x0), _mm256_sign_epi8(y, x0)), ones));
-    c1 = _mm256_add_epi32(
-        c1, _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_sign_epi8(x1, x1), _mm256_sign_epi8(y, x1)), ones));
-    c2 = _mm256_add_epi32(
-        c2, _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_sign_epi8(x2, x2), _mm256_sign_epi8(y, x2)), ones));
-    c3 = _mm256_add_epi32(
-        c3, _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_sign_epi8(x3, x3), _mm256_sign_epi8(y, x3)), ones));
-  }
-  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3));
-  return _mm256_extract_epi32(s, 0);
-}
-#endif
-
-// Best INT8 multiply-add rate (GOP/s, 2 OP per pair) of the two AVX2 mixes.
-double cpu_int8_gops(double* sign_gops, double* widen_gops) {
-  *sign_gops = *widen_gops = 0;
-#if TILEDECODE_X86
-  if (!td::cpu::cpu_has_avx2()) return 0.0;
-  const std::int64_t iters = 20'000'000;
-  volatile int sink = 0;
-  const double s1 = best_cpu_seconds([&] { sink = sink + sign_madd_loop(iters); });
-  const double s2 = best_cpu_seconds([&] { sink = sink + widen_madd_loop(iters); });
-  *sign_gops = double(iters) * 4 * 32 * 2 / s1 * 1e-9;
-  *widen_gops = double(iters) * 8 * 16 * 2 / s2 * 1e-9;
-#endif
-  return std::max(*sign_gops, *widen_gops);
-}
-
-double cpu_read_gbps(int threads) {
-  const std::size_t n = (std::size_t(256) << 20) / sizeof(std::uint64_t);
-  std::vector<std::uint64_t> buf(n, 1);
-  double best = 1e30;
-  for (int rep = 0; rep < 5; ++rep) {
-    std::vector<double> secs(threads);
-    std::vector<std::uint64_t> out(threads);
-    auto part = [&](int t) {
-      const std::size_t lo = n * t / threads, hi = n * (t + 1) / threads;
-      const double c0 = thread_cpu_us();
-      std::uint64_t a = 0, b = 0, c = 0, d = 0;
-      for (std::size_t i = lo; i + 4 <= hi; i += 4) {
-        a += buf[i];
-        b += buf[i + 1];
-        c += buf[i + 2];
-        d += buf[i + 3];
-      }
-      out[t] = a + b + c + d;
-      secs[t] = (thread_cpu_us() - c0) * 1e-6;
-    };
-    std::vector<std::thread> ts;
-    for (int t = 1; t < threads; ++t) ts.emplace_back(part, t);
-    part(0);
-    for (auto& th : ts) th.join();
-    volatile std::uint64_t sink = 0;
-    for (auto o : out) sink = sink + o;
-    best = std::min(best, *std::max_element(secs.begin(), secs.end()));
-  }
-  return double(n * sizeof(std::uint64_t)) / best * 1e-9;
 }
 
 // Relative L2 difference over entries that both sides define (masked scores excluded).
@@ -596,30 +459,39 @@ int main(int argc, char** argv) {
   std::printf("load average at start: %s\n", load_start.c_str());
   std::fflush(stdout);
 
-  // Ceilings: bench/ceilings.hpp (wall clock, median of 5) for reference, and the same loops
-  // timed by thread CPU time (best of 5), which the % of ceiling uses.
+  // Ceilings: the register-only loops of bench/ceilings.hpp, timed by the calling thread's CPU
+  // time (median of 5; the read bandwidth at 2 threads by each reader's CPU time, the slowest
+  // reader counts), which the % of ceiling uses, so that other tenants' load does not deflate
+  // them; the same loops' wall-clock medians for reference (the larger of the two counts).
+  // INT8: the best of the four exact s8 × s8 mixes of ceilings.hpp (sign trick, widening,
+  // pre-widened int16 vpmaddwd, wo_b tile mix), as tdbench::int8_gops().
   Ceilings wall_ce;
   wall_ce.fma_gflops = tdbench::fp32_fma_gflops();
   wall_ce.int8_gops = tdbench::int8_gops();
   wall_ce.bw1 = tdbench::read_gbps(1);
   wall_ce.bw2 = max_threads >= 2 ? tdbench::read_gbps(2) : wall_ce.bw1;
+  const double fma_2t = tdbench::fp32_fma_gflops_threads(2);
+  const double int8_sign = tdbench::int8_mix_gops<tdbench::Int8Mix::sign, true>();
+  const double int8_widen = tdbench::int8_mix_gops<tdbench::Int8Mix::widen, true>();
+  const double int8_madd16 = tdbench::int8_mix_gops<tdbench::Int8Mix::madd16, true>();
+  const double int8_tile = tdbench::int8_mix_gops<tdbench::Int8Mix::tile, true>();
   Ceilings ce;
-  ce.fma_gflops = std::max(cpu_fma_gflops(), wall_ce.fma_gflops);
-  double int8_sign = 0, int8_widen = 0;
-  ce.int8_gops = cpu_int8_gops(&int8_sign, &int8_widen);
-  ce.bw1 = std::max(cpu_read_gbps(1), wall_ce.bw1);
-  ce.bw2 = max_threads >= 2 ? std::max(cpu_read_gbps(2), wall_ce.bw2) : ce.bw1;
+  ce.fma_gflops = std::max(tdbench::fp32_fma_gflops_cpu(), wall_ce.fma_gflops);
+  ce.int8_gops = std::max({int8_sign, int8_widen, int8_madd16, int8_tile, wall_ce.int8_gops});
+  ce.bw1 = std::max(tdbench::read_gbps_cpu(), wall_ce.bw1);
+  ce.bw2 = max_threads >= 2 ? std::max(tdbench::read_gbps_cpu_threads(2), wall_ce.bw2) : ce.bw1;
   std::printf(
       "ceilings (per core): FP32 FMA %.1f GFLOP/s, INT8 MAC %.1f GOP/s; read bandwidth 1 core %.1f "
       "GB/s, 2 cores %.1f GB/s\n",
       ce.fma_gflops, ce.int8_gops, ce.bw1, ce.bw2);
   std::printf(
-      "  (bench/ceilings.hpp wall-clock medians: %.1f GFLOP/s, %.1f GOP/s, %.1f GB/s, %.1f GB/s)\n",
-      wall_ce.fma_gflops, wall_ce.int8_gops, wall_ce.bw1, wall_ce.bw2);
+      "  (wall-clock medians: %.1f GFLOP/s, %.1f GOP/s, %.1f GB/s, %.1f GB/s; FP32 FMA on 2 cores "
+      "at once %.1f GFLOP/s)\n",
+      wall_ce.fma_gflops, wall_ce.int8_gops, wall_ce.bw1, wall_ce.bw2, fma_2t);
   std::printf(
-      "  INT8 mixes (CPU time, distinct products): sign trick %.1f GOP/s, int16 vpmaddwd %.1f "
-      "GOP/s; the ceiling is the better\n",
-      int8_sign, int8_widen);
+      "  INT8 mixes (CPU time): sign trick %.1f GOP/s, int16 vpmaddwd %.1f GOP/s, vpmovsxbw + "
+      "vpmaddwd %.1f GOP/s (the ceiling is the best); wo_b tile mix %.1f GOP/s\n",
+      int8_sign, int8_madd16, int8_widen, int8_tile);
   std::printf(
       "times: 1 thread = median CPU time of the calling thread over interleaved samples; 2 threads "
       "= minimum wall time\n\n");
@@ -792,8 +664,11 @@ int main(int argc, char** argv) {
       << ", \"int8_gops\": " << json_num(wall_ce.int8_gops)
       << ", \"read_gbps_1\": " << json_num(wall_ce.bw1)
       << ", \"read_gbps_2\": " << json_num(wall_ce.bw2)
+      << ", \"fp32_fma_gflops_2t\": " << json_num(fma_2t)
       << "}, \"int8_mixes_cpu\": {\"sign_trick\": " << json_num(int8_sign)
-      << ", \"widen_madd\": " << json_num(int8_widen) << "}},\n";
+      << ", \"widen_madd\": " << json_num(int8_madd16)
+      << ", \"widen_cvt_madd\": " << json_num(int8_widen)
+      << ", \"tile_mix\": " << json_num(int8_tile) << "}},\n";
     f << "  \"timing\": "
       << json_str(
              "1 thread: median CPU time of the calling thread over interleaved samples; 2 threads: "

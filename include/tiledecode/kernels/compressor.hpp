@@ -373,7 +373,7 @@ inline void compressor_project(const cpu::Context& ctx, const ModelConfig& cfg,
     const bf16* wr = m.data() + r0 * m.stride(0);
 #if TILEDECODE_X86
     if (avx2) {
-      cpu::avx2::compressor_project_rows(out, SW, ws.x32, D, T, wr, m.stride(0), n, D);
+      cpu::avx2::compressor_project_rows(out, SW, ws.x32, D, T, wr, m.stride(0), n, D, OUT - r0);
       return;
     }
 #endif

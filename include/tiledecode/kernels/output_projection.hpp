@@ -61,7 +61,7 @@ struct Layout {
 
 struct ScalarOps {
   static void a_chunk(float* out, std::int64_t ldout, const float* o, std::int64_t ldo, int nt,
-                      const bf16* w, std::int64_t ldw, int nr, int kc) {
+                      const bf16* w, std::int64_t ldw, int nr, int kc, int /*nr_pf*/) {
     for (int t = 0; t < nt; ++t)
       for (int r = 0; r < nr; ++r) {
         // Eight interleaved partial sums (as the SIMD lanes): a single running FP32 sum over
@@ -87,8 +87,8 @@ struct ScalarOps {
 #if TILEDECODE_X86
 struct Avx2Ops {
   static void a_chunk(float* out, std::int64_t ldout, const float* o, std::int64_t ldo, int nt,
-                      const bf16* w, std::int64_t ldw, int nr, int kc) {
-    cpu::avx2::oproj_a_chunk(out, ldout, o, ldo, nt, w, ldw, nr, kc);
+                      const bf16* w, std::int64_t ldw, int nr, int kc, int nr_pf) {
+    cpu::avx2::oproj_a_chunk(out, ldout, o, ldo, nt, w, ldw, nr, kc, nr_pf);
   }
   static void b_pair(std::int32_t* p, std::int64_t ldp, const std::int8_t* a, std::int64_t lda,
                      int nt, const std::int8_t* w, std::int64_t ldw, int kr) {
@@ -122,8 +122,9 @@ void run(const cpu::Context& ctx, const ModelConfig& cfg, View<bf16, 2> attn_out
       const int kc = int(std::min<index_t>(kKChunk, K - k0));
       for (index_t t0 = 0; t0 < T; t0 += kTokTile) {
         const int nt = int(std::min<index_t>(kTokTile, T - t0));
+        // The rows after this task's, up to the end of the group, may be prefetched.
         Ops::a_chunk(orr + (t0 * G + g) * R + r0, G * R, of + (g * T + t0) * K + k0, K, nt, w + k0,
-                     wo_a.stride(1), nr, kc);
+                     wo_a.stride(1), nr, kc, int(R - r0));
       }
     }
   });

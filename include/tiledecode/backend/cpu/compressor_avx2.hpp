@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "tiledecode/backend/cpu/bf16_rows_avx2.hpp"
 #include "tiledecode/backend/cpu/isa.hpp"
 #include "tiledecode/backend/cpu/simd/avx2.hpp"
 #include "tiledecode/core/bf16.hpp"
@@ -21,20 +22,12 @@
 
 namespace tiledecode::cpu {
 
-// Projection tiling shared by the AVX2 kernel and its scalar twin (kernels/compressor.hpp).
-// A task owns kCompressorRowBlock weight rows (24 × 8 KB at D = 4096). The register tile is
-// 3 weight rows × 4 tokens (12 accumulators): per 8 k-values 3 BF16 loads (widened by a shift)
-// and 4 x loads feed 12 FMAs. A 1-row × 8-token tile (9 loads per 8 FMAs) was load-port bound at
-// ~65 GFLOP/s; 3 × 4 reaches ~105 GFLOP/s with L2-resident weights on the dev machine, so the
-// step becomes bound by the DRAM stream. Each row triple makes one sequential pass over K per
-// group of 4 tokens: its first pass streams the weights from DRAM (software prefetch 1 KB ahead
-// per row keeps the stream busy), later groups re-read them from L1/L2; x (FP32) comes from L2.
-// Every output is one lane-wise ascending-k FMA chain plus a fixed-order horizontal sum, whatever
-// the tile, so results depend on the shape only.
+// Projection tasks own kCompressorRowBlock weight rows (24 × 8 KB at D = 4096); inside a task the
+// rows run through the shared 3-row × 4-token BF16 micro-kernel (backend/cpu/bf16_rows_avx2.hpp,
+// which also describes its streaming schedule). Every output is one lane-wise ascending-k FMA
+// chain plus a fixed-order horizontal sum, whatever the tile, so results depend on the shape only.
 inline constexpr int kCompressorRowBlock = 24;
-inline constexpr int kCompressorTileRows = 3;
-inline constexpr int kCompressorTokenGroup = 4;
-inline constexpr int kCompressorPrefetch = 512;  // BF16 elements ahead (1 KB)
+inline constexpr int kCompressorTokenGroup = kBf16TileTokens;
 // Candidates per online-softmax chunk in the pooling (one max, one rescale per chunk).
 inline constexpr int kCompressorPoolChunk = 8;
 
@@ -70,96 +63,14 @@ TILEDECODE_TARGET_AVX2 inline __m256 exp_ps(__m256 x) {
   return _mm256_andnot_ps(underflow, y);
 }
 
-// One k-step of 8 of the NR × NT register tile.
-template <int NR, int NT>
-TILEDECODE_TARGET_AVX2 __attribute__((always_inline)) inline void project_step(
-    __m256 (&c)[NR][NT], const bf16* w, index_t ld_w, const float* x, index_t ld_x, index_t k) {
-  __m256 v[NR];
-#pragma GCC unroll 3
-  for (int r = 0; r < NR; ++r) v[r] = load_bf16x8(w + r * ld_w + k);
-#pragma GCC unroll 4
-  for (int t = 0; t < NT; ++t) {
-    const __m256 xv = _mm256_loadu_ps(x + t * ld_x + k);
-#pragma GCC unroll 3
-    for (int r = 0; r < NR; ++r) c[r][t] = _mm256_fmadd_ps(v[r], xv, c[r][t]);
-  }
-}
-
-// acc[r][t] = Σ_k w[r*ld_w + k] * x[t*ld_x + k] over k < n (n % 8 == 0) for NR rows × NT tokens,
-// lane-wise: lane l sums k ≡ l (mod 8) in ascending k.
-template <int NR, int NT>
-TILEDECODE_TARGET_AVX2 inline void project_tile(__m256 (*acc)[kCompressorTokenGroup], const bf16* w,
-                                                index_t ld_w, const float* x, index_t ld_x,
-                                                index_t n) {
-  __m256 c[NR][NT];
-#pragma GCC unroll 3
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) c[r][t] = _mm256_setzero_ps();
-  index_t k = 0;
-  for (; k + 32 <= n; k += 32) {
-#pragma GCC unroll 3
-    for (int r = 0; r < NR; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * ld_w + k + kCompressorPrefetch),
-                   _MM_HINT_T0);
-    }
-    project_step<NR, NT>(c, w, ld_w, x, ld_x, k);
-    project_step<NR, NT>(c, w, ld_w, x, ld_x, k + 8);
-    project_step<NR, NT>(c, w, ld_w, x, ld_x, k + 16);
-    project_step<NR, NT>(c, w, ld_w, x, ld_x, k + 24);
-  }
-  for (; k < n; k += 8) project_step<NR, NT>(c, w, ld_w, x, ld_x, k);
-#pragma GCC unroll 3
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) acc[r][t] = c[r][t];
-}
-
-template <int NR>
-TILEDECODE_TARGET_AVX2 inline void project_tile_nt(__m256 (*acc)[kCompressorTokenGroup], int nt,
-                                                   const bf16* w, index_t ld_w, const float* x,
-                                                   index_t ld_x, index_t n) {
-  switch (nt) {
-    case 4:
-      project_tile<NR, 4>(acc, w, ld_w, x, ld_x, n);
-      break;
-    case 3:
-      project_tile<NR, 3>(acc, w, ld_w, x, ld_x, n);
-      break;
-    case 2:
-      project_tile<NR, 2>(acc, w, ld_w, x, ld_x, n);
-      break;
-    default:
-      project_tile<NR, 1>(acc, w, ld_w, x, ld_x, n);
-      break;
-  }
-}
-
 // out[t*ld_out + r] = Σ_{k<d} x[t*ld_x + k] * w[r*ld_w + k] for t < n_tok, r < n_rows (d % 8 == 0).
+// Rows [n_rows, n_rows_pf) of w exist and may be prefetched (the next task's rows).
 TILEDECODE_TARGET_AVX2 inline void compressor_project_rows(float* out, index_t ld_out,
                                                            const float* x, index_t ld_x,
                                                            index_t n_tok, const bf16* w,
-                                                           index_t ld_w, index_t n_rows,
-                                                           index_t d) {
-  constexpr int NR = kCompressorTileRows, G = kCompressorTokenGroup;
-  for (index_t r0 = 0; r0 < n_rows; r0 += NR) {
-    const int nr = static_cast<int>(std::min<index_t>(NR, n_rows - r0));
-    const bf16* wr = w + r0 * ld_w;
-    for (index_t tg = 0; tg < n_tok; tg += G) {
-      const int nt = static_cast<int>(std::min<index_t>(G, n_tok - tg));
-      __m256 acc[NR][G];
-      const float* xg = x + tg * ld_x;
-      if (nr == 3) {
-        project_tile_nt<3>(acc, nt, wr, ld_w, xg, ld_x, d);
-      } else if (nr == 2) {
-        project_tile_nt<2>(acc, nt, wr, ld_w, xg, ld_x, d);
-      } else {
-        project_tile_nt<1>(acc, nt, wr, ld_w, xg, ld_x, d);
-      }
-      for (int r = 0; r < nr; ++r)
-        for (int t = 0; t < nt; ++t) out[(tg + t) * ld_out + r0 + r] = hsum(acc[r][t]);
-    }
-  }
+                                                           index_t ld_w, index_t n_rows, index_t d,
+                                                           index_t n_rows_pf) {
+  bf16_rows_dot<false>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d, n_rows_pf);
 }
 
 // pooled[c] = Σ_j e^{s_j[c] - m} kv_j[c] / Σ_j e^{s_j[c] - m} for c in [c0, c1) ((c1-c0) % 8 == 0),

@@ -2,11 +2,13 @@
 // AVX2 + FMA primitives of the grouped W8A8 output projection (kernels/output_projection.hpp).
 //   wo_a stage  o_r[t, r] += Σ_k o[t, k] · wo_a[r, k]   BF16 weights widened in registers,
 //               FP32 activations, reduction over k in 8-lane partial sums, one K chunk at a time
+//               (the micro-kernel shared with the compressors, bf16_rows_avx2.hpp)
 //   wo_b stage  P[t, n] = Σ_r a[t, r] · wo_b[n, r]      exact INT8 dot (sign trick, simd/avx2.hpp)
 // Must only be called after the runtime AVX2 check (ctx.isa == Isa::avx2).
 
 #include <cstdint>
 
+#include "tiledecode/backend/cpu/bf16_rows_avx2.hpp"
 #include "tiledecode/backend/cpu/isa.hpp"
 #include "tiledecode/backend/cpu/simd/avx2.hpp"
 #include "tiledecode/core/bf16.hpp"
@@ -14,73 +16,12 @@
 #if TILEDECODE_X86
 namespace tiledecode::cpu::avx2 {
 
-// out[t * ldout + r] += Σ_{k < kc} o[t * ldo + k] · float(w[r * ldw + k]) for t < NT, r < NR.
-// Register tile of NT tokens × NR weight rows (≤ 12 accumulators): per 8 k, NR weight vectors are
-// widened once and NT activation vectors loaded once, for NT·NR FMAs.
-template <int NT, int NR>
-TILEDECODE_TARGET_AVX2 inline void oproj_a_tile(float* out, std::int64_t ldout, const float* o,
-                                                std::int64_t ldo, const bf16* w, std::int64_t ldw,
-                                                int kc) {
-  __m256 acc[NT][NR];
-#pragma GCC unroll 4
-  for (int t = 0; t < NT; ++t)
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) acc[t][r] = _mm256_setzero_ps();
-  for (int k = 0; k < kc; k += 8) {
-    // Pull the next row tile's weights (the same k) towards L1 while this one computes.
-    if ((k & 31) == 0) {
-#pragma GCC unroll 4
-      for (int r = 0; r < NR; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * ldw + k), _MM_HINT_T0);
-    }
-    __m256 wv[NR];
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) wv[r] = load_bf16x8(w + r * ldw + k);
-#pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) {
-      const __m256 ov = _mm256_loadu_ps(o + t * ldo + k);
-#pragma GCC unroll 4
-      for (int r = 0; r < NR; ++r) acc[t][r] = _mm256_fmadd_ps(ov, wv[r], acc[t][r]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int t = 0; t < NT; ++t)
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) out[t * ldout + r] += hsum(acc[t][r]);
-}
-
-template <int NR>
-TILEDECODE_TARGET_AVX2 inline void oproj_a_rows(float* out, std::int64_t ldout, const float* o,
-                                                std::int64_t ldo, int nt, const bf16* w,
-                                                std::int64_t ldw, int kc) {
-  int t = 0;
-  for (; t + 4 <= nt; t += 4)
-    oproj_a_tile<4, NR>(out + t * ldout, ldout, o + t * ldo, ldo, w, ldw, kc);
-  float* ot = out + t * ldout;
-  const float* at = o + t * ldo;
-  switch (nt - t) {
-    case 3:
-      oproj_a_tile<3, NR>(ot, ldout, at, ldo, w, ldw, kc);
-      break;
-    case 2:
-      oproj_a_tile<2, NR>(ot, ldout, at, ldo, w, ldw, kc);
-      break;
-    case 1:
-      oproj_a_tile<1, NR>(ot, ldout, at, ldo, w, ldw, kc);
-      break;
-    default:
-      break;
-  }
-}
-
-// out (nt tokens, ldout) += o (nt, ldo) · w (nr rows, ldw)ᵀ over kc inputs (kc % 8 == 0).
+// out (nt tokens, ldout) += o (nt, ldo) · w (nr rows, ldw)ᵀ over kc inputs (kc % 8 == 0): the
+// shared BF16 micro-kernel (bf16_rows_avx2.hpp). Rows [nr, nr_pf) of w may be prefetched.
 TILEDECODE_TARGET_AVX2 inline void oproj_a_chunk(float* out, std::int64_t ldout, const float* o,
                                                  std::int64_t ldo, int nt, const bf16* w,
-                                                 std::int64_t ldw, int nr, int kc) {
-  int r = 0;
-  for (; r + 3 <= nr; r += 3) oproj_a_rows<3>(out + r, ldout, o, ldo, nt, w + r * ldw, ldw, kc);
-  if (nr - r == 2) oproj_a_rows<2>(out + r, ldout, o, ldo, nt, w + r * ldw, ldw, kc);
-  if (nr - r == 1) oproj_a_rows<1>(out + r, ldout, o, ldo, nt, w + r * ldw, ldw, kc);
+                                                 std::int64_t ldw, int nr, int kc, int nr_pf) {
+  bf16_rows_dot<true>(out, ldout, o, ldo, nt, w, ldw, nr, kc, nr_pf);
 }
 
 // p[t * ldp + c] = Σ_{r < kr} a[t * lda + r] · w[c * ldw + r] (exact INT32) for t < NT, c < 2.
