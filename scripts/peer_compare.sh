@@ -37,6 +37,15 @@ cmake -S "$ROOT" -B "$PEER_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
 cmake --build "$PEER_BUILD_DIR" --target peer_compare -j "$JOBS"
 
 lscpu > "$PEER_BUILD_DIR/lscpu.txt"
+# The peer's worker threads spin after each call before they sleep: OpenBLAS's pthread workers
+# for 2^28 cycles (~80 ms here), libgomp's (ATen's pool) for 300000 pause loops (several ms on
+# Zen, whose PAUSE is ~65 cycles). In an interleaved comparison that spinning steals the second
+# core from whatever is sampled next: TileDecode at 2 threads measured no faster than at 1 while
+# its own benchmarks showed 1.74-1.85x. Bounded spins (~0.1-0.2 ms) still cover the gaps between
+# the back-to-back BLAS calls and parallel regions inside one peer kernel. TileDecode's own pool
+# never spins (it blocks at once), so this is not a handicap for the peer.
+export OPENBLAS_THREAD_TIMEOUT="${OPENBLAS_THREAD_TIMEOUT:-18}"
+export GOMP_SPINCOUNT="${GOMP_SPINCOUNT:-10000}"
 "$PEER_BUILD_DIR/bench/peer/peer_compare" --json "$OUT_JSON" "$@" | tee "$PEER_BUILD_DIR/peer_compare.log"
 
 notes=()

@@ -301,6 +301,9 @@ std::vector<Stat> measure_interleaved(const std::vector<Timed>& items, double mi
   for (int round = 0; round < max_reps; ++round) {
     for (std::size_t i = 0; i < items.size(); ++i) {
       items[i].prepare();
+      // Let the previous item's worker threads (OpenBLAS, libgomp: bounded spins, see
+      // scripts/peer_compare.sh) go to sleep before this one is timed.
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
       const double p0 = process_cpu_us();
       const double c0 = thread_cpu_us();
       const auto t0 = clk::now();
@@ -325,6 +328,11 @@ std::vector<Stat> measure_interleaved(const std::vector<Timed>& items, double mi
 
 // The time a row reports (see the header comment): single thread → median CPU time of the
 // calling thread; more threads → minimum wall time.
+const char* env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v ? v : fallback;
+}
+
 double headline(const Stat& s, int threads) {
   return threads == 1 ? s.cpu_median : s.wall_min;
 }
@@ -656,7 +664,9 @@ int main(int argc, char** argv) {
       << ", \"loadavg_start\": " << json_str(load_start)
       << ", \"loadavg_end\": " << json_str(loadavg()) << "},\n";
     f << "  \"peer\": {\"aten\": " << json_str(peer_version())
-      << ", \"blas\": " << json_str(peer_blas_info()) << "},\n";
+      << ", \"blas\": " << json_str(peer_blas_info())
+      << ", \"openblas_thread_timeout\": " << json_str(env_or("OPENBLAS_THREAD_TIMEOUT", "default"))
+      << ", \"gomp_spincount\": " << json_str(env_or("GOMP_SPINCOUNT", "default")) << "},\n";
     f << "  \"ceilings\": {\"fp32_fma_gflops\": " << json_num(ce.fma_gflops)
       << ", \"int8_gops\": " << json_num(ce.int8_gops) << ", \"read_gbps_1\": " << json_num(ce.bw1)
       << ", \"read_gbps_2\": " << json_num(ce.bw2)
