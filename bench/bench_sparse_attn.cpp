@@ -29,6 +29,7 @@
 
 #include "ceilings.hpp"
 #include "common/random.hpp"
+#include "common/sparse_attn_fixture.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/kernels/output_projection.hpp"
 #include "tiledecode/kernels/sparse_attention.hpp"
@@ -55,44 +56,33 @@ double cpu_read_gbps() {
   return tdbench::read_gbps_cpu();
 }
 
-struct AttnProblem {
+constexpr index_t kOriBlocks = 128, kCmpBlocks = 32;
+
+struct AttnProblem : tdtest::SparseAttnMetadata {
   td::ModelConfig cfg;
   LayerKind kind;
-  int B, S = 2;
-  index_t T;
   td::Tensor<bf16, 2> kv, cmp, o;
   td::Tensor<bf16, 3> q;
-  td::Tensor<std::int32_t, 1> pos, lens, win_lens;
-  td::Tensor<std::int32_t, 2> ori_table, cmp_table, win_idx, topk;
+  td::Tensor<std::int32_t, 2> topk;
   td::Tensor<float, 1> sink;
   td::RopeTable rope;
   double flops = 0, bytes = 0;
 
+  // Every request starts at 8192 (16382 for HCA), 2 tokens each.
   AttnProblem(const td::ModelConfig& c, LayerKind k, int batch)
-      : cfg(c), kind(k), B(batch), T(index_t(batch) * 2) {
+      : SparseAttnMetadata(
+            c, std::vector<std::int32_t>(std::size_t(batch), k == LayerKind::hca ? 16382 : 8192), 2,
+            kOriBlocks, kCmpBlocks),
+        cfg(c),
+        kind(k) {
     tdtest::Rng rng(7);
-    const index_t ori_blocks = 128, cmp_blocks = 32;
-    const std::vector<std::int32_t> starts(B, k == LayerKind::hca ? 16382 : 8192);
-    const td::paged::StepShape sh{B, S, -1};
-    kv = td::Tensor<bf16, 2>({ori_blocks * cfg.page, cfg.head_dim});
-    cmp = td::Tensor<bf16, 2>({cmp_blocks * cfg.page, cfg.head_dim});
+    kv = td::Tensor<bf16, 2>({kOriBlocks * cfg.page, cfg.head_dim});
+    cmp = td::Tensor<bf16, 2>({kCmpBlocks * cfg.page, cfg.head_dim});
     rng.fill_uniform(std::span<bf16>(kv.data(), kv.size()), -0.5f, 0.5f);
     rng.fill_uniform(std::span<bf16>(cmp.data(), cmp.size()), -0.5f, 0.5f);
     q = td::Tensor<bf16, 3>({T, cfg.n_heads, cfg.head_dim});
     rng.fill_uniform(std::span<bf16>(q.data(), q.size()), -0.5f, 0.5f);
     o = td::Tensor<bf16, 2>({index_t(cfg.o_groups) * T, cfg.o_group_in()});
-    pos = td::Tensor<std::int32_t, 1>({T});
-    lens = td::Tensor<std::int32_t, 1>({B});
-    win_lens = td::Tensor<std::int32_t, 1>({T});
-    td::paged::build_position_ids(pos.view(), starts, sh, cfg);
-    td::paged::build_kv_seq_lens(lens.view(), starts, sh, cfg);
-    ori_table = td::Tensor<std::int32_t, 2>({B, cfg.ori_table_cols()});
-    cmp_table = td::Tensor<std::int32_t, 2>({B, 32});
-    td::paged::build_fixture_block_table(ori_table.view(), ori_blocks);
-    td::paged::build_fixture_block_table(cmp_table.view(), cmp_blocks);
-    win_idx = td::Tensor<std::int32_t, 2>({T, cfg.window});
-    td::paged::build_window_indices(win_idx.view(), win_lens.view(), pos.view(), ori_table.view(),
-                                    ori_blocks, sh, cfg);
     topk = td::Tensor<std::int32_t, 2>({T, cfg.idx_topk});
     for (index_t t = 0; t < T; ++t)
       for (int i = 0; i < cfg.idx_topk; ++i)

@@ -27,6 +27,7 @@
 
 #include "common/decode_fixture.hpp"
 #include "common/random.hpp"
+#include "common/sparse_attn_fixture.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/core/parallel.hpp"
 #include "tiledecode/decode/step.hpp"
@@ -144,34 +145,18 @@ const Pools& pools() {
 }
 
 // Metadata and q of one batch of requests (starts), reading the shared pools.
-struct SparseBatch {
+struct SparseBatch : tdtest::SparseAttnMetadata {
   td::ModelConfig cfg = small_config();
   LayerKind kind;
-  int B, S;
-  index_t T;
   td::Tensor<bf16, 3> q;
-  td::Tensor<std::int32_t, 1> pos, lens, win_lens;
-  td::Tensor<std::int32_t, 2> ori_table, cmp_table, win_idx, topk;
+  td::Tensor<std::int32_t, 2> topk;
   td::Tensor<float, 1> sink;
 
   SparseBatch(LayerKind k, const std::vector<std::int32_t>& starts, int seq, std::uint64_t seed)
-      : kind(k), B(int(starts.size())), S(seq), T(index_t(starts.size()) * seq) {
+      : SparseAttnMetadata(small_config(), starts, seq, kOriBlocks, kCmpBlocks), kind(k) {
     tdtest::Rng rng(seed);
-    const td::paged::StepShape sh{B, S, -1};
     q = td::Tensor<bf16, 3>({T, cfg.n_heads, cfg.head_dim});
     rng.fill_uniform(q.flat(), -0.5f, 0.5f);
-    pos = td::Tensor<std::int32_t, 1>({T});
-    lens = td::Tensor<std::int32_t, 1>({B});
-    win_lens = td::Tensor<std::int32_t, 1>({T});
-    td::paged::build_position_ids(pos.view(), starts, sh, cfg);
-    td::paged::build_kv_seq_lens(lens.view(), starts, sh, cfg);
-    ori_table = td::Tensor<std::int32_t, 2>({B, cfg.ori_table_cols()});
-    cmp_table = td::Tensor<std::int32_t, 2>({B, 32});
-    td::paged::build_fixture_block_table(ori_table.view(), kOriBlocks);
-    td::paged::build_fixture_block_table(cmp_table.view(), kCmpBlocks);
-    win_idx = td::Tensor<std::int32_t, 2>({T, cfg.window});
-    td::paged::build_window_indices(win_idx.view(), win_lens.view(), pos.view(), ori_table.view(),
-                                    kOriBlocks, sh, cfg);
     topk = td::Tensor<std::int32_t, 2>({T, cfg.idx_topk});
     for (index_t t = 0; t < T; ++t) {
       const int vis = (pos.view()(t) + 1) / 4;

@@ -20,6 +20,7 @@
 
 #include "common/compare.hpp"
 #include "common/random.hpp"
+#include "common/sparse_attn_fixture.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/golden/output_projection.hpp"
 #include "tiledecode/golden/sparse_attention.hpp"
@@ -51,40 +52,24 @@ std::vector<td::cpu::Isa> isas() {
 }
 
 // One standalone sparse-attention problem (spec §10.3): pools, metadata, q, sink.
-struct Problem {
+struct Problem : tdtest::SparseAttnMetadata {
   td::ModelConfig cfg;
   LayerKind kind;
-  int B, S;
-  index_t T;
   td::Tensor<bf16, 2> kv, cmp;
   td::Tensor<bf16, 3> q;
-  td::Tensor<std::int32_t, 1> pos, lens, win_lens;
-  td::Tensor<std::int32_t, 2> ori_table, cmp_table, win_idx, topk;
+  td::Tensor<std::int32_t, 2> topk;
   td::Tensor<float, 1> sink;
 
   Problem(const td::ModelConfig& c, LayerKind k, std::vector<std::int32_t> starts, int seq,
           float sink_value, std::uint64_t seed)
-      : cfg(c), kind(k), B(int(starts.size())), S(seq), T(index_t(starts.size()) * seq) {
+      : SparseAttnMetadata(c, starts, seq, kOriBlocks, kCmpBlocks), cfg(c), kind(k) {
     tdtest::Rng rng(seed);
-    const td::paged::StepShape sh{B, S, -1};
     kv = td::Tensor<bf16, 2>({kOriBlocks * cfg.page, cfg.head_dim});
     cmp = td::Tensor<bf16, 2>({kCmpBlocks * cfg.page, cfg.head_dim});
     rng.fill_uniform(std::span<bf16>(kv.data(), kv.size()), -0.5f, 0.5f);
     rng.fill_uniform(std::span<bf16>(cmp.data(), cmp.size()), -0.5f, 0.5f);
     q = td::Tensor<bf16, 3>({T, cfg.n_heads, cfg.head_dim});
     rng.fill_uniform(std::span<bf16>(q.data(), q.size()), -0.5f, 0.5f);
-    pos = td::Tensor<std::int32_t, 1>({T});
-    lens = td::Tensor<std::int32_t, 1>({B});
-    win_lens = td::Tensor<std::int32_t, 1>({T});
-    td::paged::build_position_ids(pos.view(), starts, sh, cfg);
-    td::paged::build_kv_seq_lens(lens.view(), starts, sh, cfg);
-    ori_table = td::Tensor<std::int32_t, 2>({B, cfg.ori_table_cols()});
-    cmp_table = td::Tensor<std::int32_t, 2>({B, 32});
-    td::paged::build_fixture_block_table(ori_table.view(), kOriBlocks);
-    td::paged::build_fixture_block_table(cmp_table.view(), kCmpBlocks);
-    win_idx = td::Tensor<std::int32_t, 2>({T, cfg.window});
-    td::paged::build_window_indices(win_idx.view(), win_lens.view(), pos.view(), ori_table.view(),
-                                    kOriBlocks, sh, cfg);
     // CSA top-k: distinct visible raw ids (as an indexer would emit), -1 padded.
     topk = td::Tensor<std::int32_t, 2>({T, cfg.idx_topk});
     auto pv = pos.view();
@@ -178,8 +163,8 @@ void expect_attn_out_close(const Problem& p, const td::Tensor<bf16, 2>& o_act,
 
 // --- canonical starts per family (spec §10.3), plus attn_out through the projection -----------
 
-TEST(SparseAttn, SwaCanonicalStarts) {
-  const Problem p(td::flash_config(), LayerKind::swa, {8192, 127, 31, 8192}, 2, 0.0f, 1);
+// o_packed for every ISA against golden, and attn_out through the projection for the native ISA.
+void expect_canonical_match(const Problem& p) {
   const auto g = p.golden();
   for (auto isa : isas()) {
     SCOPED_TRACE(std::string(td::cpu::to_string(isa)));
@@ -187,28 +172,21 @@ TEST(SparseAttn, SwaCanonicalStarts) {
     EXPECT_TRUE(packed_close(k, g));
     if (isa == td::cpu::detect_isa()) expect_attn_out_close(p, k, g);
   }
+}
+
+TEST(SparseAttn, SwaCanonicalStarts) {
+  const Problem p(td::flash_config(), LayerKind::swa, {8192, 127, 31, 8192}, 2, 0.0f, 1);
+  expect_canonical_match(p);
 }
 
 TEST(SparseAttn, HcaCanonicalStarts) {
   const Problem p(td::flash_config(), LayerKind::hca, {8192, 127, 128, 255}, 2, 0.0f, 2);
-  const auto g = p.golden();
-  for (auto isa : isas()) {
-    SCOPED_TRACE(std::string(td::cpu::to_string(isa)));
-    const auto k = p.kernel(isa);
-    EXPECT_TRUE(packed_close(k, g));
-    if (isa == td::cpu::detect_isa()) expect_attn_out_close(p, k, g);
-  }
+  expect_canonical_match(p);
 }
 
 TEST(SparseAttn, CsaCanonicalStartsSink4) {
   const Problem p(td::flash_config(), LayerKind::csa, {8192, 0, 2, 3}, 2, 4.0f, 3);
-  const auto g = p.golden();
-  for (auto isa : isas()) {
-    SCOPED_TRACE(std::string(td::cpu::to_string(isa)));
-    const auto k = p.kernel(isa);
-    EXPECT_TRUE(packed_close(k, g));
-    if (isa == td::cpu::detect_isa()) expect_attn_out_close(p, k, g);
-  }
+  expect_canonical_match(p);
 }
 
 // --- window edge cases ----------------------------------------------------------------------

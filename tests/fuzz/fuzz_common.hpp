@@ -1,7 +1,8 @@
 #pragma once
 // Helpers shared by the fuzz targets: a buffer with canary regions on both sides (a write
 // outside the caller's view is caught even where AddressSanitizer cannot see it, e.g. inside a
-// larger pool allocation), and a checked abort that prints why.
+// larger pool allocation), a checked abort that prints why, a "did it throw Error" probe and a
+// counter-based filler for big arrays.
 
 #include <cstddef>
 #include <cstdint>
@@ -10,7 +11,39 @@
 #include <cstring>
 #include <vector>
 
+#include "tiledecode/core/error.hpp"
+
 namespace tdfuzz {
+
+// Byte an output body starts filled with, so "never written" is detectable (Guarded::body_is).
+inline constexpr unsigned char kFill = 0x5A;
+// TDFUZZ_DUMP=1 (read by each target) prints every error message.
+inline bool g_verbose = false;
+
+// True iff `call` throws tiledecode::Error (any other exception propagates: a fuzz failure).
+bool threw_error(auto&& call) {
+  try {
+    call();
+  } catch (const tiledecode::Error& e) {
+    if (g_verbose) std::fprintf(stderr, "  threw: %s\n", e.what());
+    return true;
+  }
+  return false;
+}
+
+// Counter-based filler (splitmix64) so big arrays cost 8 bytes of fuzz input, not their size.
+// The sequence is part of the committed corpora's meaning: do not change it.
+struct Mix {
+  std::uint64_t s;
+  std::uint64_t next() {
+    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  float unit() { return float(next() >> 40) / float(1 << 24); }        // [0, 1)
+  float sym() { return float(next() >> 40) / float(1 << 23) - 1.0f; }  // [-1, 1)
+};
 
 [[noreturn]] inline void fail(const char* what, long long a = 0, long long b = 0) {
   std::fprintf(stderr, "fuzz invariant violated: %s (%lld, %lld)\n", what, a, b);

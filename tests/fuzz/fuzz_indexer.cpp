@@ -30,30 +30,10 @@ using td::index_t;
 
 namespace {
 
-constexpr unsigned char kFill = 0x5A;
-bool g_verbose = false;
-
-bool threw_error(auto&& call) {
-  try {
-    call();
-  } catch (const td::Error& e) {
-    if (g_verbose) std::fprintf(stderr, "  threw: %s\n", e.what());
-    return true;
-  }
-  return false;
-}
-
-// Counter-based filler so big arrays cost 8 bytes of fuzz input, not their size.
-struct Mix {
-  std::uint64_t s;
-  std::uint64_t next() {
-    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  float unit() { return float(next() >> 40) / float(1 << 24); }  // [0, 1)
-};
+using tdfuzz::g_verbose;
+using tdfuzz::kFill;
+using tdfuzz::Mix;
+using tdfuzz::threw_error;
 
 float special(FuzzedDataProvider& in, float normal_value) {
   switch (in.ConsumeIntegralInRange(0, 15)) {

@@ -31,29 +31,10 @@ using td::LayerKind;
 
 namespace {
 
-constexpr unsigned char kFill = 0x5A;
-bool g_verbose = false;
-
-bool threw_error(auto&& call) {
-  try {
-    call();
-  } catch (const td::Error& e) {
-    if (g_verbose) std::fprintf(stderr, "  threw: %s\n", e.what());
-    return true;
-  }
-  return false;
-}
-
-struct Mix {
-  std::uint64_t s;
-  std::uint64_t next() {
-    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  float sym() { return float(next() >> 40) / float(1 << 23) - 1.0f; }  // [-1, 1)
-};
+using tdfuzz::g_verbose;
+using tdfuzz::kFill;
+using tdfuzz::Mix;
+using tdfuzz::threw_error;
 
 td::ModelConfig fuzz_config() {
   td::ModelConfig c = td::flash_config();
