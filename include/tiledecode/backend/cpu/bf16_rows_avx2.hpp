@@ -16,8 +16,8 @@
 // slice). Prefetching the whole next triple during the first pass only (the obvious schedule)
 // asks the memory system for twice the average bandwidth in that pass and nothing in the others;
 // at T = 8 that was measured 15 % slower (compressor step), and two triples ahead beat one by
-// another ~4 % (wo_a). The first triples of a call, which nobody prefetched, prefetch their own
-// rows 1 KB ahead in their first pass.
+// another ~4 % (wo_a). The first triples of a call, which nobody prefetched, also prefetch their
+// own rows 1 KB ahead in their first pass.
 
 #include <algorithm>
 
@@ -66,23 +66,31 @@ TILEDECODE_TARGET_AVX2 __attribute__((always_inline)) inline void step(__m256 (&
   }
 }
 
+// Issues the prefetches of `pf` that belong to k-step k of a pass over n.
+TILEDECODE_TARGET_AVX2 __attribute__((always_inline)) inline void prefetch_at(const Prefetch& pf,
+                                                                              index_t k,
+                                                                              index_t n) {
+  const index_t pk = pf.k0 + k * (pf.k1 - pf.k0) / n;
+  for (int r = 0; r < pf.n_rows; ++r)
+    _mm_prefetch(reinterpret_cast<const char*>(pf.w + r * pf.ld_w + pk), _MM_HINT_T0);
+}
+
 // sums[r][t] = hsum over lanes of Σ_k w[r*ld_w + k] * x[t*ld_x + k], k < n (n % 8 == 0), lane l
-// summing k ≡ l (mod 8) in ascending k. Meanwhile prefetches `pf` into L1.
+// summing k ≡ l (mod 8) in ascending k. Meanwhile prefetches `ahead` (rows further on) and
+// `self` (this tile's own rows, when nobody prefetched them) into L1.
 template <int NR, int NT>
 TILEDECODE_TARGET_AVX2 inline void tile(float (*sums)[kBf16TileTokens], const bf16* w, index_t ld_w,
                                         const float* x, index_t ld_x, index_t n,
-                                        const Prefetch& pf) {
+                                        const Prefetch& ahead, const Prefetch& self) {
   __m256 c[NR][NT];
 #pragma GCC unroll 3
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 4
     for (int t = 0; t < NT; ++t) c[r][t] = _mm256_setzero_ps();
-  const index_t pf_span = pf.k1 - pf.k0;
   index_t k = 0;
   for (; k + 32 <= n; k += 32) {
-    const index_t pk = pf.k0 + k * pf_span / n;
-    for (int r = 0; r < pf.n_rows; ++r)
-      _mm_prefetch(reinterpret_cast<const char*>(pf.w + r * pf.ld_w + pk), _MM_HINT_T0);
+    prefetch_at(ahead, k, n);
+    prefetch_at(self, k, n);
     step<NR, NT>(c, w, ld_w, x, ld_x, k);
     step<NR, NT>(c, w, ld_w, x, ld_x, k + 8);
     step<NR, NT>(c, w, ld_w, x, ld_x, k + 16);
@@ -98,19 +106,19 @@ TILEDECODE_TARGET_AVX2 inline void tile(float (*sums)[kBf16TileTokens], const bf
 template <int NR>
 TILEDECODE_TARGET_AVX2 inline void tile_nt(float (*sums)[kBf16TileTokens], int nt, const bf16* w,
                                            index_t ld_w, const float* x, index_t ld_x, index_t n,
-                                           const Prefetch& pf) {
+                                           const Prefetch& ahead, const Prefetch& self) {
   switch (nt) {
     case 4:
-      tile<NR, 4>(sums, w, ld_w, x, ld_x, n, pf);
+      tile<NR, 4>(sums, w, ld_w, x, ld_x, n, ahead, self);
       break;
     case 3:
-      tile<NR, 3>(sums, w, ld_w, x, ld_x, n, pf);
+      tile<NR, 3>(sums, w, ld_w, x, ld_x, n, ahead, self);
       break;
     case 2:
-      tile<NR, 2>(sums, w, ld_w, x, ld_x, n, pf);
+      tile<NR, 2>(sums, w, ld_w, x, ld_x, n, ahead, self);
       break;
     default:
-      tile<NR, 1>(sums, w, ld_w, x, ld_x, n, pf);
+      tile<NR, 1>(sums, w, ld_w, x, ld_x, n, ahead, self);
       break;
   }
 }
@@ -136,18 +144,18 @@ TILEDECODE_TARGET_AVX2 inline void bf16_rows_dot(float* out, index_t ld_out, con
     for (index_t g = 0; g < n_groups; ++g) {
       const index_t tg = g * G;
       const int nt = static_cast<int>(std::min<index_t>(G, n_tok - tg));
-      Prefetch pf{w + r_pf * ld_w, ld_w, n_pf, g * d / n_groups, (g + 1) * d / n_groups};
-      if (r0 < kBf16PrefetchTriples * NR && g == 0) {
-        pf = {wr, ld_w, nr, kBf16SelfPrefetch, d + kBf16SelfPrefetch};  // nobody fetched these
-      }
+      const Prefetch ahead{w + r_pf * ld_w, ld_w, n_pf, g * d / n_groups, (g + 1) * d / n_groups};
+      Prefetch self;  // the first triples of a call: nobody prefetched their rows
+      if (r0 < kBf16PrefetchTriples * NR && g == 0)
+        self = {wr, ld_w, nr, kBf16SelfPrefetch, d + kBf16SelfPrefetch};
       float sums[NR][G];
       const float* xg = x + tg * ld_x;
       if (nr == 3) {
-        tile_nt<3>(sums, nt, wr, ld_w, xg, ld_x, d, pf);
+        tile_nt<3>(sums, nt, wr, ld_w, xg, ld_x, d, ahead, self);
       } else if (nr == 2) {
-        tile_nt<2>(sums, nt, wr, ld_w, xg, ld_x, d, pf);
+        tile_nt<2>(sums, nt, wr, ld_w, xg, ld_x, d, ahead, self);
       } else {
-        tile_nt<1>(sums, nt, wr, ld_w, xg, ld_x, d, pf);
+        tile_nt<1>(sums, nt, wr, ld_w, xg, ld_x, d, ahead, self);
       }
       for (int r = 0; r < nr; ++r)
         for (int t = 0; t < nt; ++t) {
