@@ -23,18 +23,9 @@ using td::index_t;
 
 namespace {
 
-constexpr unsigned char kFill = 0x5A;
-bool g_verbose = false;  // TDFUZZ_DUMP=1 prints every error message
-
-bool threw_error(auto&& call) {
-  try {
-    call();
-  } catch (const td::Error& e) {
-    if (g_verbose) std::fprintf(stderr, "  threw: %s\n", e.what());
-    return true;
-  }
-  return false;
-}
+using tdfuzz::g_verbose;  // TDFUZZ_DUMP=1 prints every error message
+using tdfuzz::kFill;
+using tdfuzz::threw_error;
 
 template <class I>
 I slot_value(FuzzedDataProvider& in, index_t rows) {

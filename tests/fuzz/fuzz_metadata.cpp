@@ -20,8 +20,8 @@ using td::index_t;
 
 namespace {
 
-constexpr unsigned char kFill = 0x5A;
-bool g_verbose = false;  // TDFUZZ_DUMP=1: print each decoded case and every error message
+using tdfuzz::g_verbose;  // TDFUZZ_DUMP=1: print each decoded case and every error message
+using tdfuzz::kFill;
 
 void note(const td::Error& e) {
   if (g_verbose) std::fprintf(stderr, "  threw: %s\n", e.what());
