@@ -3,9 +3,11 @@
 // Counters: OP/s (2 OP per int8 multiply-add), bytes/s (bytes the kernel must touch), and for
 // the score the share of this machine's INT8 ceilings measured in the same process:
 //   pct_of_ceiling       vs a register-only loop of the score kernel's own instruction mix
-//                        (vpbroadcastd, vpmaddwd, vpaddd; 8 independent accumulators)
-//   pct_of_int8_peak     vs tdbench::int8_gops(): the best AVX2 INT8 mix of this machine
-//                        (max of the vpmaddubsw sign-trick loop and the widening loop)
+//                        (avx2: vpmaddwd + vpaddd; avx2_vnni: vpdpbusd; 8 accumulators)
+//   pct_of_int8_peak     vs tdbench::int8_ceiling_gops(isa): the best INT8 mix the ISA has
+//                        (AVX2 mixes; on avx2_vnni also vpdpbusd)
+//   isa                  0 scalar, 1 avx2, 2 avx2_vnni (BM_indexer_score_avx2 forces avx2 for
+//                        the tier comparison)
 // Run: bench_indexer --benchmark_min_time=0.05 [--benchmark_format=json]
 
 #include <benchmark/benchmark.h>
@@ -31,10 +33,11 @@ using td::index_t;
 
 namespace {
 
-// Single-thread GOP/s of the score kernel's instruction mix (pre-widened int16 vpmaddwd),
-// register-only (bench/ceilings.hpp).
-double madd_mix_gops() {
-  return tdbench::int8_mix_gops<tdbench::Int8Mix::madd16>();
+// Single-thread GOP/s of the score kernel's instruction mix, register-only (bench/ceilings.hpp):
+// pre-widened int16 vpmaddwd on avx2, vpdpbusd on avx2_vnni.
+double score_mix_gops(td::cpu::Isa isa) {
+  return isa == td::cpu::Isa::avx2_vnni ? tdbench::int8_vnni_gops()
+                                        : tdbench::int8_mix_gops<tdbench::Int8Mix::madd16>();
 }
 
 constexpr int kSeq = 2;
@@ -128,9 +131,9 @@ Step& step(int B, int ctx_len) {
   return s;
 }
 
-td::cpu::Context context(int threads) {
+td::cpu::Context context(int threads, td::cpu::Isa isa = td::cpu::detect_isa()) {
   static td::ThreadPool pool2(2);
-  return td::cpu::Context{threads > 1 ? &pool2 : nullptr, td::cpu::detect_isa()};
+  return td::cpu::Context{threads > 1 ? &pool2 : nullptr, isa};
 }
 
 void run_query(const td::cpu::Context& ctx, Step& s) {
@@ -164,10 +167,10 @@ std::int64_t query_macs(const Step& s) {
 }
 
 // args: batch, context, threads
-void BM_indexer_score(benchmark::State& st) {
+void score_bench(benchmark::State& st, td::cpu::Isa isa) {
   Step& s = step(int(st.range(0)), int(st.range(1)));
-  const auto ctx = context(int(st.range(2)));
-  const double ceiling = tdbench::int8_gops(), mix = madd_mix_gops();
+  const auto ctx = context(int(st.range(2)), isa);
+  const double ceiling = tdbench::int8_ceiling_gops(isa), mix = score_mix_gops(isa);
   const double sec = timed_loop(st, [&] {
     run_score(ctx, s);
     benchmark::DoNotOptimize(s.score.data());
@@ -179,9 +182,23 @@ void BM_indexer_score(benchmark::State& st) {
   st.counters["bytes/s"] =
       (double(s.visible_rows) * (128 + 4) + double(s.T) * s.cfg.score_len() * 4) * per_s;
   st.counters["ceiling_gops"] = ceiling;
-  st.counters["madd_ceiling_gops"] = mix;
+  st.counters["mix_ceiling_gops"] = mix;
   st.counters["pct_of_ceiling"] = mix > 0 ? 100.0 * gops / mix : 0.0;
   st.counters["pct_of_int8_peak"] = ceiling > 0 ? 100.0 * gops / ceiling : 0.0;
+  st.counters["isa"] = double(static_cast<int>(isa));
+}
+
+void BM_indexer_score(benchmark::State& st) {
+  score_bench(st, td::cpu::detect_isa());
+}
+
+// The avx2 tier on an AVX-VNNI machine (skipped elsewhere): the VNNI kernel's gain, same process.
+void BM_indexer_score_avx2(benchmark::State& st) {
+  if (td::cpu::detect_isa() != td::cpu::Isa::avx2_vnni) {
+    st.SkipWithError("no AVX-VNNI: BM_indexer_score already runs the avx2 tier");
+    return;
+  }
+  score_bench(st, td::cpu::Isa::avx2);
 }
 
 void BM_indexer_query(benchmark::State& st) {
@@ -270,6 +287,12 @@ void context_sweep(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_indexer_score)
     ->Apply(context_sweep)
+    ->ArgNames({"B", "ctx", "threads"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_indexer_score_avx2)
+    ->Args({4, 8192, 1})
+    ->Args({4, 8192, 2})
     ->ArgNames({"B", "ctx", "threads"})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();

@@ -7,6 +7,9 @@
 //   int8_gops()
 //       register-only INT8 multiply-add loops (the sign-trick vpmaddubsw mix and the widening
 //       vpmaddwd mix), the better of the two; 2 OP per int8 pair; 1 thread.
+//   int8_vnni_gops(), int8_ceiling_gops(isa)
+//       the AVX-VNNI loop (vpdpbusd, 32 pairs per instruction; 0 without AVX-VNNI), and the
+//       ceiling of the INT8 instructions a kernel running with `isa` can use.
 //   read_gbps(n)
 //       streaming read bandwidth over a 256 MiB buffer with n threads.
 // CPU time of the calling thread (robust to other jobs on a shared machine; per busy core):
@@ -26,6 +29,7 @@
 #include <vector>
 
 #include "tiledecode/backend/cpu/isa.hpp"
+#include "tiledecode/backend/cpu/simd/avx_vnni.hpp"
 
 namespace tdbench {
 
@@ -151,6 +155,33 @@ TILEDECODE_TARGET_AVX2 inline int int8_widen_loop(std::int64_t iters) {
 // per task, so the vpmovsxbw of int8_widen_loop is amortised away). 4 constant × 2 opaque inputs
 // give 8 distinct products, none hoistable; 8 accumulator chains. Only the 2 inputs are opaqued:
 // opaquing all 6 spills accumulators to the stack (16 ymm registers).
+// The avx2_vnni score's instruction: vpdpbusd (u8 x s8, 4 pairs per int32 lane, accumulating).
+// 8 chains (the score loop's count), 32 pairs per instruction.
+TILEDECODE_TARGET_AVX2_VNNI inline int int8_vnni_loop(std::int64_t iters) {
+  namespace v = tiledecode::cpu::avx2_vnni;
+  const __m256i k0 = _mm256_set1_epi8(3), k1 = _mm256_set1_epi8(-5), k2 = _mm256_set1_epi8(7),
+                k3 = _mm256_set1_epi8(-9);
+  __m256i b0 = _mm256_set1_epi8(11), b1 = _mm256_set1_epi8(13);
+  __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0,
+          c7 = c0;
+  for (std::int64_t i = 0; i < iters; ++i) {
+    TDBENCH_OPAQUE(b0);
+    TDBENCH_OPAQUE(b1);
+    c0 = v::dpbusd(c0, b0, k0);
+    c1 = v::dpbusd(c1, b0, k1);
+    c2 = v::dpbusd(c2, b0, k2);
+    c3 = v::dpbusd(c3, b0, k3);
+    c4 = v::dpbusd(c4, b1, k0);
+    c5 = v::dpbusd(c5, b1, k1);
+    c6 = v::dpbusd(c6, b1, k2);
+    c7 = v::dpbusd(c7, b1, k3);
+  }
+  const __m256i s =
+      _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)),
+                       _mm256_add_epi32(_mm256_add_epi32(c4, c5), _mm256_add_epi32(c6, c7)));
+  return _mm256_extract_epi32(s, 0);
+}
+
 TILEDECODE_TARGET_AVX2 inline int int8_madd16_loop(std::int64_t iters) {
   const __m256i k0 = _mm256_set1_epi16(3), k1 = _mm256_set1_epi16(-5), k2 = _mm256_set1_epi16(7),
                 k3 = _mm256_set1_epi16(-9);
@@ -237,7 +268,7 @@ inline double fma_rate(bool cpu_time) {
 
 // Which INT8 loop: the sign-trick mix, the widening mix, the pre-widened mix, or the wo_b tile
 // mix.
-enum class Int8Mix { sign, widen, madd16, tile };
+enum class Int8Mix { sign, widen, madd16, tile, vnni };
 
 inline double int8_rate(Int8Mix mix, bool cpu_time) {
 #if TILEDECODE_X86
@@ -260,6 +291,10 @@ inline double int8_rate(Int8Mix mix, bool cpu_time) {
       break;
     case Int8Mix::tile:
       s = median_time(cpu_time, [&] { sink = sink + int8_tile_mix_loop(iters); });
+      break;
+    case Int8Mix::vnni:
+      if (!tiledecode::cpu::cpu_has_avx2_vnni()) return 0.0;
+      s = median_time(cpu_time, [&] { sink = sink + int8_vnni_loop(iters); });
       break;
   }
   return double(iters) * pairs_per_iter * 2 / s * 1e-9;
@@ -364,6 +399,21 @@ inline double int8_gops() {
 }
 inline double int8_gops_cpu() {
   return int8_best_gops<true>();
+}
+
+// AVX-VNNI (vpdpbusd) ceiling; 0 on a CPU without AVX-VNNI.
+template <bool kCpuTime = false>
+double int8_vnni_gops() {
+  return int8_mix_gops<Int8Mix::vnni, kCpuTime>();
+}
+
+// The INT8 ceiling of the instructions a kernel running with `isa` may use: the AVX2 mixes, and
+// vpdpbusd on Isa::avx2_vnni. The kernels whose INT8 part has no VNNI path (o-proj's wo_b, the
+// q/kv and indexer-query GEMMs) are measured against int8_gops(): their own instruction set.
+template <bool kCpuTime = false>
+double int8_ceiling_gops(tiledecode::cpu::Isa isa) {
+  const double avx2 = int8_best_gops<kCpuTime>();
+  return isa == tiledecode::cpu::Isa::avx2_vnni ? std::max(avx2, int8_vnni_gops<kCpuTime>()) : avx2;
 }
 
 // Streaming read bandwidth (GB/s) with `threads` threads over a 256 MiB buffer, wall clock.

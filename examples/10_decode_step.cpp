@@ -8,7 +8,7 @@
 // next layer's x_hc (no MoE between them here).
 //
 //   decode_step [--layers 4] [--preset flash|pro] [--context 8192] [--batch 4] [--steps 16]
-//               [--threads N] [--isa scalar|avx2] [--seed S] [--check] [--dump DIR]
+//               [--threads N] [--isa scalar|avx2|avx2_vnni] [--seed S] [--check] [--dump DIR]
 //               [--dump-weights] [--backend cpu|a2a3]
 //
 // Prints a per-kernel time table, tokens/s, peak memory; with --check the last step of every
@@ -74,7 +74,8 @@ struct Options {
 [[noreturn]] void usage(int code) {
   std::printf(
       "usage: decode_step [--layers N] [--preset flash|pro] [--context C] [--batch B] [--steps N]\n"
-      "                   [--threads N] [--isa scalar|avx2] [--seed S] [--check] [--dump DIR]\n"
+      "                   [--threads N] [--isa scalar|avx2|avx2_vnni] [--seed S] [--check] [--dump "
+      "DIR]\n"
       "                   [--dump-weights] [--backend cpu|a2a3]\n");
   std::exit(code);
 }
@@ -528,9 +529,9 @@ int main(int argc, char** argv) try {
       opt.threads > 0 ? std::size_t(opt.threads) : td::ThreadPool::default_threads();
   td::ThreadPool pool(threads);
   const td::decode::Backend be =
-      opt.isa.empty() ? td::decode::Backend::cpu(&pool)
-                      : td::decode::Backend::cpu(
-                            &pool, opt.isa == "scalar" ? td::cpu::Isa::scalar : td::cpu::Isa::avx2);
+      opt.isa.empty()
+          ? td::decode::Backend::cpu(&pool)
+          : td::decode::Backend::cpu(&pool, td::cpu::isa_from_string("decode_step --isa", opt.isa));
   const index_t T = index_t(B) * S, D = cfg.hidden;
   std::printf(
       "DeepSeek-V4-%s attention decode: %d layers, batch %d x S=%d (MTP, commit 1), context %d, "

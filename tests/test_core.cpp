@@ -226,11 +226,37 @@ TEST(Config, FlashAndProPresets) {
 }
 
 TEST(Isa, DetectAndCheck) {
-  EXPECT_EQ(td::cpu::checked_isa(td::cpu::Isa::scalar), td::cpu::Isa::scalar);
-  if (td::cpu::cpu_has_avx2()) {
-    EXPECT_EQ(td::cpu::detect_isa(), td::cpu::Isa::avx2);
-  } else {
-    EXPECT_THROW((void)td::cpu::checked_isa(td::cpu::Isa::avx2), td::Error);
+  namespace cpu = td::cpu;
+  EXPECT_EQ(cpu::checked_isa(cpu::Isa::scalar), cpu::Isa::scalar);
+  const cpu::Isa best = cpu::cpu_has_avx2_vnni() ? cpu::Isa::avx2_vnni
+                        : cpu::cpu_has_avx2()    ? cpu::Isa::avx2
+                                                 : cpu::Isa::scalar;
+  EXPECT_EQ(cpu::detect_isa(), best);
+  EXPECT_EQ(cpu::supported_isas().back(), best);
+  EXPECT_EQ(cpu::supported_isas().front(), cpu::Isa::scalar);
+  if (cpu::cpu_has_avx2_vnni()) {
+    EXPECT_TRUE(cpu::cpu_has_avx2());
+  }
+  for (cpu::Isa isa : {cpu::Isa::avx2, cpu::Isa::avx2_vnni}) {
+    if (cpu::cpu_supports(isa)) {
+      EXPECT_EQ(cpu::checked_isa(isa), isa);
+    } else {
+      EXPECT_THROW((void)cpu::checked_isa(isa), td::Error);
+    }
+    EXPECT_TRUE(cpu::has_avx2(isa));
+  }
+  EXPECT_FALSE(cpu::has_avx2(cpu::Isa::scalar));
+}
+
+TEST(Isa, NamesRoundTrip) {
+  namespace cpu = td::cpu;
+  for (cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx2_vnni})
+    EXPECT_EQ(cpu::isa_from_string("test", cpu::to_string(isa)), isa);
+  try {
+    (void)cpu::isa_from_string("test", "avx512");
+    FAIL() << "no error";
+  } catch (const td::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("allowed scalar, avx2, avx2_vnni"), std::string::npos);
   }
 }
 

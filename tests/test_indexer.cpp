@@ -26,9 +26,7 @@ using td::index_t;
 namespace {
 
 std::vector<td::cpu::Isa> isas() {
-  std::vector<td::cpu::Isa> v{td::cpu::Isa::scalar};
-  if (td::cpu::cpu_has_avx2()) v.push_back(td::cpu::Isa::avx2);
-  return v;
+  return td::cpu::supported_isas();  // scalar, avx2, avx2_vnni (the VNNI indexer score)
 }
 
 template <class T, std::size_t R>
@@ -145,7 +143,7 @@ void expect_matches_golden(const ScoreCase& c, const td::Tensor<float, 2>& got,
   }
 }
 
-// Score on every ISA vs golden, plus scalar == AVX2 bit for bit.
+// Score on every ISA vs golden, plus every SIMD tier == scalar bit for bit.
 void check_score_case(const ScoreCase& c) {
   const auto want = golden_score(c);
   std::vector<float> first;
@@ -159,7 +157,7 @@ void check_score_case(const ScoreCase& c) {
     if (first.empty()) {
       first = flat(got);
     } else {
-      ASSERT_EQ(first, flat(got)) << "scalar and AVX2 differ";
+      ASSERT_EQ(first, flat(got)) << "differs from the scalar path";
     }
   }
 }
@@ -243,34 +241,43 @@ TEST(IndexerScore, AllEqualScoresRow) {
   }
 }
 
-TEST(IndexerScore, ExactWithMinus128InBothOperands) {
-  // The int16-widening dot is exact for -128 × -128 (the vpmaddubsw sign trick is not).
+TEST(IndexerScore, ExactAtTheInt8Extremes) {
+  // The int16-widening dot (avx2) is exact for -128 × -128 (the vpmaddubsw sign trick is not);
+  // the VNNI dot offsets the key to k + 128 in [0, 255] and starts at -128 Σ q, so the extremes
+  // of both operands (k = -128 → 0, k = 127 → 255; q = -128 and 127) are checked on every tier.
   auto c = make_case({8192, 8192, 8192, 8192}, 2, 64, 7);
-  for (auto& v : c.q.flat()) v = -128;
   auto cache = c.cache.view();
   tdtest::Rng rng(8);
   for (index_t r = 0; r < cache.extent(0); ++r)
     for (index_t d = 0; d < 128; ++d)
-      cache(r, d) = (r % 3 == 0) ? std::int8_t(-128) : std::int8_t(rng.integer(-128, 127));
+      cache(r, d) = (r % 3 == 0)   ? std::int8_t(-128)
+                    : (r % 3 == 1) ? std::int8_t(127)
+                                   : std::int8_t(rng.integer(-128, 127));
   for (auto& v : c.q_sc.flat()) v = 1.0f;
   for (auto& v : c.kscale.flat()) v = 1.0f;
   for (auto& v : c.w.flat()) v = 0.0f;
   for (index_t t = 0; t < c.T(); ++t) c.w.view()(t, 0) = 1.0f;  // score = relu(dot of head 0)
-  for (auto isa : isas()) {
-    td::cpu::Context ctx{nullptr, isa};
-    td::Tensor<float, 2> got({c.T(), 4096});
-    run_score(ctx, c, got);
-    for (index_t t = 0; t < c.T(); ++t)
-      for (int j = 0; j < c.vis(t); ++j) {
-        const index_t row = index_t(c.table.view()(t / c.S, j / 128)) * 128 + j % 128;
-        std::int64_t dot = 0;
-        for (index_t d = 0; d < 128; ++d) dot += std::int64_t(-128) * cache(row, d);
-        ASSERT_EQ(got.view()(t, j), float(std::max<std::int64_t>(dot, 0)))
-            << td::cpu::to_string(isa) << " t " << t << " j " << j;
-        if (row % 3 == 0) {
-          ASSERT_EQ(got.view()(t, j), 2097152.0f);  // 128 · 128 · 128
+  for (int q_value : {-128, 127}) {
+    for (auto& v : c.q.flat()) v = std::int8_t(q_value);
+    for (auto isa : isas()) {
+      td::cpu::Context ctx{nullptr, isa};
+      td::Tensor<float, 2> got({c.T(), 4096});
+      run_score(ctx, c, got);
+      for (index_t t = 0; t < c.T(); ++t)
+        for (int j = 0; j < c.vis(t); ++j) {
+          const index_t row = index_t(c.table.view()(t / c.S, j / 128)) * 128 + j % 128;
+          std::int64_t dot = 0;
+          for (index_t d = 0; d < 128; ++d) dot += std::int64_t(q_value) * cache(row, d);
+          ASSERT_EQ(got.view()(t, j), float(std::max<std::int64_t>(dot, 0)))
+              << td::cpu::to_string(isa) << " q " << q_value << " t " << t << " j " << j;
+          if (row % 3 == 0 && q_value == -128) {
+            ASSERT_EQ(got.view()(t, j), 2097152.0f);  // 128 · 128 · 128
+          }
+          if (row % 3 == 1 && q_value == 127) {
+            ASSERT_EQ(got.view()(t, j), 2064512.0f);  // 127 · 127 · 128
+          }
         }
-      }
+    }
   }
 }
 

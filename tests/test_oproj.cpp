@@ -22,6 +22,8 @@ using td::index_t;
 namespace {
 
 std::vector<td::cpu::Isa> isas() {
+  // avx2_vnni runs this kernel's avx2 code unchanged (only the indexer score has a VNNI path),
+  // so it is not run twice here; test_layer covers every tier end to end.
   std::vector<td::cpu::Isa> v{td::cpu::Isa::scalar};
   if (td::cpu::cpu_has_avx2()) v.push_back(td::cpu::Isa::avx2);
   return v;

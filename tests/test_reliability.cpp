@@ -55,9 +55,7 @@ bool lean() {
 }
 
 std::vector<td::cpu::Isa> isas() {
-  std::vector<td::cpu::Isa> v{td::cpu::Isa::scalar};
-  if (td::cpu::cpu_has_avx2()) v.push_back(td::cpu::Isa::avx2);
-  return v;
+  return td::cpu::supported_isas();  // scalar, avx2, avx2_vnni (the VNNI indexer score)
 }
 
 template <class T>

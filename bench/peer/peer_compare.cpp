@@ -461,7 +461,7 @@ int main(int argc, char** argv) {
   std::printf("peer_compare: DeepSeek-V4-flash decode kernels, TileDecode vs ATen %s\n",
               peer_version().c_str());
   std::printf("cpu: %s, %u hardware threads, TileDecode ISA %s\n", cpu_model().c_str(),
-              std::thread::hardware_concurrency(), isa == td::cpu::Isa::avx2 ? "avx2" : "scalar");
+              std::thread::hardware_concurrency(), std::string(td::cpu::to_string(isa)).c_str());
   std::printf("blas: %s\n", peer_blas_info().c_str());
   const std::string load_start = loadavg();
   std::printf("load average at start: %s\n", load_start.c_str());
@@ -660,7 +660,7 @@ int main(int argc, char** argv) {
     std::ofstream f(opt.json);
     f << "{\n  \"machine\": {\"cpu\": " << json_str(cpu_model())
       << ", \"hardware_threads\": " << std::thread::hardware_concurrency()
-      << ", \"tiledecode_isa\": " << json_str(isa == td::cpu::Isa::avx2 ? "avx2" : "scalar")
+      << ", \"tiledecode_isa\": " << json_str(std::string(td::cpu::to_string(isa)))
       << ", \"loadavg_start\": " << json_str(load_start)
       << ", \"loadavg_end\": " << json_str(loadavg()) << "},\n";
     f << "  \"peer\": {\"aten\": " << json_str(peer_version())

@@ -296,10 +296,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   static td::ThreadPool pool3(3);
   FuzzedDataProvider in(data, size);
   Mix mix{in.ConsumeIntegral<std::uint64_t>()};
-  const bool avx2 = td::cpu::cpu_has_avx2() && in.ConsumeBool();
-  const td::cpu::Isa isa = avx2 ? td::cpu::Isa::avx2 : td::cpu::Isa::scalar;
-  const td::cpu::Isa other =
-      td::cpu::cpu_has_avx2() && !avx2 ? td::cpu::Isa::avx2 : td::cpu::Isa::scalar;
+  // One tier under test, compared bit for bit with another (scalar vs the best SIMD tier).
+  static const std::vector<td::cpu::Isa> kIsas = td::cpu::supported_isas();
+  const td::cpu::Isa isa = kIsas[in.ConsumeIntegralInRange<std::size_t>(0, kIsas.size() - 1)];
+  const td::cpu::Isa other = isa == td::cpu::Isa::scalar ? kIsas.back() : td::cpu::Isa::scalar;
   const bool threads = in.ConsumeBool();
   const td::cpu::Context ctx{threads ? &pool3 : nullptr, isa};
   const td::cpu::Context other_ctx{threads ? nullptr : &pool3, other};

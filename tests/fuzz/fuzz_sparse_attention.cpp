@@ -80,8 +80,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Mix mix{in.ConsumeIntegral<std::uint64_t>()};
   static constexpr LayerKind kKinds[] = {LayerKind::swa, LayerKind::csa, LayerKind::hca};
   const LayerKind kind = in.PickValueInArray(kKinds);
-  const td::cpu::Isa isa =
-      td::cpu::cpu_has_avx2() && in.ConsumeBool() ? td::cpu::Isa::avx2 : td::cpu::Isa::scalar;
+  const td::cpu::Isa isa = in.ConsumeBool() ? td::cpu::detect_isa() : td::cpu::Isa::scalar;
   const int B = in.ConsumeIntegralInRange(1, 2), S = in.ConsumeIntegralInRange(1, 2);
   const index_t T = index_t(B) * S, H = cfg.n_heads, D = cfg.head_dim, W = cfg.window;
   const index_t page = cfg.page;

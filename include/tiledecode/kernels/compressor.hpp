@@ -213,7 +213,7 @@ inline void hadamard_row_scalar(float* z, const float* y, const bf16* h, index_t
 }
 
 inline bool use_avx2(const cpu::Context& ctx) {
-  return TILEDECODE_X86 && ctx.isa == cpu::Isa::avx2;
+  return TILEDECODE_X86 && cpu::has_avx2(ctx.isa);
 }
 
 // ---------------------------------------------------------------------------------------------

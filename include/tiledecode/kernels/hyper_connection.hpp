@@ -137,7 +137,7 @@ inline void hc_pre(const cpu::Context& ctx, View<bf16, 2> x_mixed, View<float, 2
   check_equal<index_t>(where, "mixes.extent(0)", mixes.extent(0), T);
   check_equal<index_t>(where, "mixes.extent(1)", mixes.extent(1), kHcMixes);
   const index_t n = kHcStreams * D;
-  [[maybe_unused]] const bool avx2 = ctx.isa == cpu::Isa::avx2 && TILEDECODE_X86;
+  [[maybe_unused]] const bool avx2 = cpu::has_avx2(ctx.isa) && TILEDECODE_X86;
 
   // Pass 1: the 24 mixes of every token; one task per weight row so fn streams once.
   ctx.parallel_for(0, kHcMixes, 1, [&](std::int64_t j) {
@@ -212,7 +212,7 @@ inline void hc_post(const cpu::Context& ctx, View<float, 3> y, ConstView<bf16, 2
   check_equal<index_t>(where, "comb.extent(2)", comb.extent(2), kHcStreams);
   if (y.data() == x_hc.data())
     throw_arg(where, "y", "x_hc's buffer", "a buffer distinct from x_hc");
-  [[maybe_unused]] const bool avx2 = ctx.isa == cpu::Isa::avx2 && TILEDECODE_X86;
+  [[maybe_unused]] const bool avx2 = cpu::has_avx2(ctx.isa) && TILEDECODE_X86;
   // One task per (token, 512-column chunk): enough tasks for any thread count.
   const index_t chunk = 512, n_chunks = (D + chunk - 1) / chunk;
   ctx.parallel_for(0, T * n_chunks, 1, [&](std::int64_t task) {

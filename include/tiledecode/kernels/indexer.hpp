@@ -148,6 +148,20 @@ inline void pack_query_pairs(std::int32_t* qp, const std::int8_t* q, index_t hea
   }
 }
 
+// Query operands of the avx2_vnni score (cpu::avx2_vnni::score_rows16): qd[h*32 + c] = bytes
+// 4c..4c+3 of head h's row; q_bias[h] = -128 * Σ_d q[h][d], the start value that cancels the
+// keys' +128 offset.
+inline void pack_query_vnni(std::int32_t* qd, std::int32_t* q_bias, const std::int8_t* q,
+                            index_t head_stride, int n_heads) {
+  for (int h = 0; h < n_heads; ++h) {
+    const std::int8_t* r = q + h * head_stride;
+    std::memcpy(qd + h * 32, r, 128);
+    std::int32_t sum = 0;
+    for (int d = 0; d < 128; ++d) sum += r[d];
+    q_bias[h] = -128 * sum;
+  }
+}
+
 // Scalar twin of cpu::avx2::score_block16 for `n` rows (only the valid ones are computed).
 inline void score_rows_scalar(float* out, int n, const std::int8_t* rows, index_t stride,
                               const float* ksc, const std::int8_t* q, index_t head_stride,
@@ -347,7 +361,7 @@ inline void indexer_query(const cpu::Context& ctx, const ModelConfig& cfg,
         sc_out[tt] = &q_sc(t, h);
       }
 #if TILEDECODE_X86
-      if (isa == cpu::Isa::avx2) {
+      if (cpu::has_avx2(isa)) {
         const auto tile = [&]<int N>() {
           detail::query_tile_avx2<N>(acc, x, qh, a16, K, wpk, qs, ws, rc, rs, wq, q_out, sc_out);
         };
@@ -406,7 +420,7 @@ inline void indexer_weights(const cpu::Context& ctx, const ModelConfig& cfg, Vie
     const index_t t0 = tile * TT;
     const int nt = int(std::min<index_t>(TT, T - t0));
 #if TILEDECODE_X86
-    if (isa == cpu::Isa::avx2) {
+    if (cpu::has_avx2(isa)) {
       for (index_t h0 = 0; h0 < H; h0 += 16) {
         const auto run = [&]<int N>() {
           cpu::avx2::weights_tile<N>(&w(t0, h0), w.stride(0), &x_n(t0, 0), x_n.stride(0),
@@ -532,8 +546,13 @@ inline void indexer_score(const cpu::Context& ctx, const ModelConfig& cfg, View<
       float coef[kIndexerMaxHeads];
       for (int h = 0; h < n_heads; ++h) coef[h] = q_sc(t, h) * w(t, h);
       const std::int8_t* q = &q_i8(t, 0, 0);
-      alignas(32) std::int32_t qp[kIndexerMaxHeads * 64];
-      if (isa == cpu::Isa::avx2) detail::pack_query_pairs(qp, q, q_i8.stride(1), n_heads);
+      alignas(32) std::int32_t qp[kIndexerMaxHeads * 64];  // avx2: int16 pairs; vnni: dwords
+      alignas(32) std::int32_t q_bias[kIndexerMaxHeads];
+      if (isa == cpu::Isa::avx2_vnni) {
+        detail::pack_query_vnni(qp, q_bias, q, q_i8.stride(1), n_heads);
+      } else if (cpu::has_avx2(isa)) {
+        detail::pack_query_pairs(qp, q, q_i8.stride(1), n_heads);
+      }
       for (index_t j = c0; j < v1; j += 16) {
         const index_t blk = idx_block_table(b, j / page);
         const index_t row = blk * page + j % page;
@@ -541,7 +560,14 @@ inline void indexer_score(const cpu::Context& ctx, const ModelConfig& cfg, View<
         const std::int8_t* k = &idx_kv_cache(row, 0);
         const float* ksc = &idx_kv_scale(row);
 #if TILEDECODE_X86
-        if (isa == cpu::Isa::avx2) {
+        if (isa == cpu::Isa::avx2_vnni) {
+          alignas(32) float tmp[16];
+          cpu::avx2_vnni::score_block16(tmp, k, idx_kv_cache.stride(0), ksc, qp, q_bias, coef,
+                                        n_heads);
+          std::memcpy(out + j, tmp, sizeof(float) * std::size_t(n));
+          continue;
+        }
+        if (cpu::has_avx2(isa)) {
           alignas(32) float tmp[16];
           cpu::avx2::score_block16(tmp, k, idx_kv_cache.stride(0), ksc, qp, coef, n_heads);
           std::memcpy(out + j, tmp, sizeof(float) * std::size_t(n));

@@ -206,7 +206,7 @@ inline void output_projection(const cpu::Context& ctx, const ModelConfig& cfg,
   std::byte* ws = workspace.data() + (64 - base % 64) % 64;
   namespace od = output_projection_detail;
 #if TILEDECODE_X86
-  if (ctx.isa == cpu::Isa::avx2)
+  if (cpu::has_avx2(ctx.isa))
     return od::run<od::Avx2Ops>(ctx, cfg, attn_out, o_packed, wo_a, wo_b, wo_b_scale, ws);
 #endif
   od::run<od::ScalarOps>(ctx, cfg, attn_out, o_packed, wo_a, wo_b, wo_b_scale, ws);

@@ -159,7 +159,7 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
   check_equal<index_t>(where, "rope.cos.extent(1)", rope.cos.extent(1), RD);
   for (index_t t = 0; t < T; ++t) check_rope_position(where, rope, position_ids(t));
 
-  [[maybe_unused]] const bool avx2 = ctx.isa == cpu::Isa::avx2 && TILEDECODE_X86;
+  [[maybe_unused]] const bool avx2 = cpu::has_avx2(ctx.isa) && TILEDECODE_X86;
   // 1. x_n → FP32 (exact), once, so the matmul broadcasts floats.
   for (index_t t = 0; t < T; ++t)
     for (index_t k = 0; k < D; ++k) s.x(t, k) = x_n(t, k).to_float();

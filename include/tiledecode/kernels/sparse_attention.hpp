@@ -436,7 +436,7 @@ inline void sparse_attention(
   sd::validate(a, workspace.size() >= 64 ? workspace.size() - 64 : 0, L.bytes());
   if (q.extent(0) == 0) return;
 #if TILEDECODE_X86
-  if (ctx.isa == cpu::Isa::avx2) return sd::run<sd::Avx2Ops>(ctx, a, workspace);
+  if (cpu::has_avx2(ctx.isa)) return sd::run<sd::Avx2Ops>(ctx, a, workspace);
 #endif
   sd::run<sd::ScalarOps>(ctx, a, workspace);
 }

@@ -1,6 +1,7 @@
 #pragma once
-// AVX2 + FMA micro-kernels of the lightning indexer (spec §7). Reached only through
-// kernels/indexer.hpp after the caller chose Isa::avx2; every function here has a scalar twin
+// AVX2 + FMA micro-kernels of the lightning indexer (spec §7), and the AVX-VNNI score kernel of
+// Isa::avx2_vnni (end of file). Reached only through kernels/indexer.hpp after the caller chose
+// the ISA; every function here has a scalar twin
 // in kernels/indexer.hpp that performs the same floating-point operations in the same order, so
 // the two paths produce bit-identical outputs.
 //
@@ -22,6 +23,7 @@
 
 #include "tiledecode/backend/cpu/isa.hpp"
 #include "tiledecode/backend/cpu/simd/avx2.hpp"
+#include "tiledecode/backend/cpu/simd/avx_vnni.hpp"
 #include "tiledecode/core/bf16.hpp"
 
 #if TILEDECODE_X86
@@ -47,6 +49,15 @@ TILEDECODE_TARGET_AVX2 inline void transpose8x8_epi32(__m256i r[8]) {
   r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
 }
 
+// Loads the 32-byte quarter `part` of 8 rows (row stride `stride` bytes) as dword columns:
+// r[c] lane i = dword (part*8 + c) of row i.
+TILEDECODE_TARGET_AVX2 inline void load_dword_columns(__m256i r[8], const std::int8_t* rows,
+                                                      std::int64_t stride, int part) {
+  for (int i = 0; i < 8; ++i)
+    r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + i * stride + part * 32));
+  transpose8x8_epi32(r);
+}
+
 // Packs 16 key rows of 128 INT8 (row stride `stride` bytes) for the row-lane score kernel.
 // kp[j*2 + g], j = 2c + e (c = 0..31 the 4-byte group of the row, e = 0/1), g = row group of 8:
 // int32 lane i holds the int16 pair (k[8g+i][4c+e], k[8g+i][4c+e+2]). The query side packs the
@@ -56,11 +67,7 @@ TILEDECODE_TARGET_AVX2 inline void pack_key_block16(__m256i* kp, const std::int8
   for (int g = 0; g < 2; ++g) {
     for (int part = 0; part < 4; ++part) {  // 32-byte quarter of the 128-byte row
       __m256i r[8];
-      for (int i = 0; i < 8; ++i) {
-        r[i] = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(rows + (g * 8 + i) * stride + part * 32));
-      }
-      transpose8x8_epi32(r);  // r[c'] = dword (part*8 + c') of the 8 rows
+      load_dword_columns(r, rows + g * 8 * stride, stride, part);
       for (int c = 0; c < 8; ++c) {
         const int j = (part * 8 + c) * 2;
         // Sign-extend bytes 0,2 (even) and 1,3 (odd) of every dword into int16 pairs.
@@ -290,4 +297,86 @@ TILEDECODE_TARGET_AVX2 inline void weights_tile(float* out, std::int64_t out_str
 }
 
 }  // namespace tiledecode::cpu::avx2
+
+// ---- AVX-VNNI tier (Isa::avx2_vnni): the score's INT8 dots on vpdpbusd ----------------------
+//
+// vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products to an int32
+// lane: 32 pairs per instruction and no separate add, twice vpmaddwd's 16 (plus vpaddd). The
+// key becomes the unsigned operand by the offset k + 128 (XOR 0x80), the query stays signed:
+//   Σ_d (k_d + 128) q_d = q·k + 128 Σ_d q_d,
+// so each head's accumulators start at -128 Σ_d q_d (kernels::detail::pack_query_vnni) and end
+// at exactly q·k. Exact for every int8 input, -128 included: each product is at most 255·128 in
+// magnitude, a 128-term head dot plus the start value stays below 2^23, and vpdpbusd (unlike
+// vpdpbusds) neither saturates nor can wrap at these magnitudes. The epilogue is the avx2 tier's,
+// so the two tiers' scores are bit-identical. Keys need no int16 widening: the packed block is
+// half the size (2 KB) of the avx2 tier's.
+namespace tiledecode::cpu::avx2_vnni {
+
+// Packs 16 key rows of 128 INT8 (row stride `stride` bytes): kq[c*2 + g], c = 0..31 the 4-byte
+// group, g = row group of 8; int32 lane i holds bytes 4c..4c+3 of row 8g+i, each + 128 (u8).
+TILEDECODE_TARGET_AVX2_VNNI inline void pack_key_block16(__m256i* kq, const std::int8_t* rows,
+                                                         std::int64_t stride) {
+  const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int g = 0; g < 2; ++g) {
+    for (int part = 0; part < 4; ++part) {  // 32-byte quarter of the 128-byte row
+      __m256i r[8];
+      avx2::load_dword_columns(r, rows + g * 8 * stride, stride, part);
+      for (int c = 0; c < 8; ++c) kq[(part * 8 + c) * 2 + g] = _mm256_xor_si256(r[c], offset);
+    }
+  }
+}
+
+// Scores of 16 key rows for one token, lanes = rows (the avx2 tier's score_rows16 contract):
+//   out[r] = ksc[r] * Σ_h coef[h] * max(float(q[h] · k[r]), 0), head sum in ascending h.
+// kq: pack_key_block16 output (64 vectors); qd: (n_heads, 32) query dwords; q_bias: (n_heads)
+// start values -128 Σ_d q[h][d]; n_heads % 4 == 0.
+TILEDECODE_TARGET_AVX2_VNNI inline void score_rows16(float* out, const __m256i* kq,
+                                                     const std::int32_t* qd,
+                                                     const std::int32_t* q_bias, const float* coef,
+                                                     const float* ksc, int n_heads) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 s0 = zero, s1 = zero;
+  for (int h = 0; h < n_heads; h += 4) {
+    const std::int32_t* q = qd + h * 32;
+    // (2 row groups, 4 heads) INT32 accumulators: 8 registers, + 2 keys + 1 broadcast.
+    __m256i a00 = _mm256_set1_epi32(q_bias[h]), a10 = a00;
+    __m256i a01 = _mm256_set1_epi32(q_bias[h + 1]), a11 = a01;
+    __m256i a02 = _mm256_set1_epi32(q_bias[h + 2]), a12 = a02;
+    __m256i a03 = _mm256_set1_epi32(q_bias[h + 3]), a13 = a03;
+    for (int c = 0; c < 32; ++c) {
+      const __m256i k0 = _mm256_load_si256(kq + 2 * c), k1 = _mm256_load_si256(kq + 2 * c + 1);
+      __m256i b = _mm256_set1_epi32(q[c]);
+      a00 = dpbusd(a00, k0, b);
+      a10 = dpbusd(a10, k1, b);
+      b = _mm256_set1_epi32(q[32 + c]);
+      a01 = dpbusd(a01, k0, b);
+      a11 = dpbusd(a11, k1, b);
+      b = _mm256_set1_epi32(q[64 + c]);
+      a02 = dpbusd(a02, k0, b);
+      a12 = dpbusd(a12, k1, b);
+      b = _mm256_set1_epi32(q[96 + c]);
+      a03 = dpbusd(a03, k0, b);
+      a13 = dpbusd(a13, k1, b);
+    }
+    avx2::score_head_epilogue(s0, s1, a00, a10, coef[h]);
+    avx2::score_head_epilogue(s0, s1, a01, a11, coef[h + 1]);
+    avx2::score_head_epilogue(s0, s1, a02, a12, coef[h + 2]);
+    avx2::score_head_epilogue(s0, s1, a03, a13, coef[h + 3]);
+  }
+  _mm256_storeu_ps(out, _mm256_mul_ps(s0, _mm256_loadu_ps(ksc)));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(s1, _mm256_loadu_ps(ksc + 8)));
+}
+
+// One 16-row key block for one token (avx2::score_block16's contract, VNNI operands).
+TILEDECODE_TARGET_AVX2_VNNI inline void score_block16(float* out, const std::int8_t* rows,
+                                                      std::int64_t stride, const float* ksc,
+                                                      const std::int32_t* qd,
+                                                      const std::int32_t* q_bias, const float* coef,
+                                                      int n_heads) {
+  alignas(32) __m256i kq[64];  // (32 dword columns, 2 row groups) offset bytes
+  pack_key_block16(kq, rows, stride);
+  score_rows16(out, kq, qd, q_bias, coef, ksc, n_heads);
+}
+
+}  // namespace tiledecode::cpu::avx2_vnni
 #endif
