@@ -5,8 +5,9 @@
 // timed with the calling thread's CPU clock), and compute efficiencies are CPU-time ratios: FLOP
 // per CPU-second of the kernel (process CPU time, all its threads) ÷ FLOP per CPU-second of the
 // FMA loop. That ratio is the share of the FMA ceiling per busy core, and it does not move with
-// the load. The output projection's INT8 ceiling is the best exact s8 × s8 mix
-// (tdbench::int8_gops_cpu(); in practice the wo_b tile's own mix).
+// the load. The output projection's INT8 ceiling is the best exact s8 × s8 mix of the ISA it runs
+// (tdbench::int8_ceiling_gops<true>(isa): the AVX2 mixes, plus vpdpbusd on avx2_vnni, whose
+// wo_b tile uses it); oproj_flash_avx2 forces the avx2 tier on a VNNI machine (A/B).
 //   sparse attention: FLOP = Σ_t valid_cols(t) · H · 512 · 4 (QKᵀ and PV, 2 FLOP per FMA lane);
 //     pct_of_ceiling      = (FLOP / kernel CPU-s) ÷ cpu_fma_gflops          (per busy core)
 //     pct_of_ceiling_wall = (FLOP / wall-s) ÷ (tdbench::fp32_fma_gflops() · threads)
@@ -49,8 +50,8 @@ using tdbench::process_cpu_seconds;
 double cpu_fma_gflops() {
   return tdbench::fp32_fma_gflops_cpu();
 }
-double cpu_int8_gops() {
-  return tdbench::int8_gops_cpu();
+double cpu_int8_gops(td::cpu::Isa isa = td::cpu::detect_isa()) {
+  return tdbench::int8_ceiling_gops<true>(isa);
 }
 double cpu_read_gbps() {
   return tdbench::read_gbps_cpu();
@@ -162,14 +163,19 @@ struct OprojProblem {
   }
 };
 
-void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int threads) {
+void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int threads,
+              td::cpu::Isa isa) {
+  if (!td::cpu::cpu_supports(isa)) {
+    state.SkipWithError("ISA not supported by this CPU");
+    return;
+  }
   static std::map<std::string, std::unique_ptr<OprojProblem>> cache;
   auto& slot = cache[std::string(cfg.name) + std::to_string(batch)];
   if (!slot) slot = std::make_unique<OprojProblem>(cfg, index_t(batch) * 2);
   OprojProblem& p = *slot;
   std::unique_ptr<td::ThreadPool> pool;
   if (threads > 1) pool = std::make_unique<td::ThreadPool>(threads);
-  const td::cpu::Context ctx{pool.get(), td::cpu::detect_isa()};
+  const td::cpu::Context ctx{pool.get(), isa};
   std::vector<std::byte> ws(td::kernels::output_projection_workspace_bytes(cfg, p.T));
   double secs = 0, cpu = 0;
   for (auto _ : state) {
@@ -188,7 +194,7 @@ void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int threa
   const double bytes = G * R * K * 2 + N * G * R + T * G * K * 2 + T * N * 2;
   // Roofline times: memory (wall, `threads` readers) and compute (CPU-s of one core).
   const double t_mem = bytes / (tdbench::read_gbps(threads) * 1e9);
-  const double c_cmp = flops_a / (cpu_fma_gflops() * 1e9) + ops_b / (cpu_int8_gops() * 1e9);
+  const double c_cmp = flops_a / (cpu_fma_gflops() * 1e9) + ops_b / (cpu_int8_gops(isa) * 1e9);
   const double t = secs / n, c = cpu / n;
   // One thread: bandwidth per CPU-second against the CPU-time read ceiling (robust to the load);
   // several threads: wall-clock bandwidth against read_gbps(threads).
@@ -200,7 +206,8 @@ void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int threa
   state.counters["read_ceiling_gbps"] = tdbench::read_gbps(threads);
   state.counters["cpu_read_gbps"] = cpu_read_gbps();
   state.counters["gbytes_per_cpu_s"] = bytes / c * 1e-9;
-  state.counters["cpu_int8_gops"] = cpu_int8_gops();
+  state.counters["cpu_int8_gops"] = cpu_int8_gops(isa);
+  state.counters["isa"] = double(static_cast<int>(isa));
   state.counters["pct_of_read_bw"] = pct_mem;
   state.counters["pct_of_compute"] = pct_cmp;
   // Binding bound: one thread compares CPU-time rooflines, several compare wall-clock ones.
@@ -221,6 +228,7 @@ void bm_ceilings(benchmark::State& state) {
   state.counters["cpu_int8_gops"] = cpu_int8_gops();
   state.counters["cpu_read_gbps"] = cpu_read_gbps();
   state.counters["cpu_int8_sign_gops"] = tdbench::int8_mix_gops<tdbench::Int8Mix::sign, true>();
+  state.counters["cpu_int8_vnni_gops"] = tdbench::int8_vnni_gops<true>();
 }
 
 const int kRegistered = [] {
@@ -248,13 +256,21 @@ const int kRegistered = [] {
     for (int threads : {1, 2}) {
       const std::string name =
           "oproj_flash/B:" + std::to_string(batch) + "/S:2/threads:" + std::to_string(threads);
-      benchmark::RegisterBenchmark(name.c_str(), bm_oproj, td::flash_config(), batch, threads)
+      benchmark::RegisterBenchmark(name.c_str(), bm_oproj, td::flash_config(), batch, threads,
+                                   td::cpu::detect_isa())
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
-  benchmark::RegisterBenchmark("oproj_pro/B:4/S:2/threads:1", bm_oproj, td::pro_config(), 4, 1)
+  benchmark::RegisterBenchmark("oproj_pro/B:4/S:2/threads:1", bm_oproj, td::pro_config(), 4, 1,
+                               td::cpu::detect_isa())
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
+  if (td::cpu::detect_isa() == td::cpu::Isa::avx2_vnni) {
+    benchmark::RegisterBenchmark("oproj_flash_avx2/B:4/S:2/threads:1", bm_oproj, td::flash_config(),
+                                 4, 1, td::cpu::Isa::avx2)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  }
   return 0;
 }();
 

@@ -22,11 +22,7 @@ using td::index_t;
 namespace {
 
 std::vector<td::cpu::Isa> isas() {
-  // avx2_vnni runs this kernel's avx2 code unchanged (only the indexer score has a VNNI path),
-  // so it is not run twice here; test_layer covers every tier end to end.
-  std::vector<td::cpu::Isa> v{td::cpu::Isa::scalar};
-  if (td::cpu::cpu_has_avx2()) v.push_back(td::cpu::Isa::avx2);
-  return v;
+  return td::cpu::supported_isas();  // scalar, avx2, avx2_vnni (the vpdpbusd wo_b tile)
 }
 
 struct Weights {
@@ -122,6 +118,19 @@ TEST(Oproj, OddTokenCountsAndThreadsBitIdentical) {
   for (auto isa : isas())
     EXPECT_TRUE(tdtest::ratio_allclose(floats(run_kernel(w, o, 3, isa)), floats(g), 1e-4, 1.0 / 128,
                                        0.005));
+}
+
+// The avx2_vnni tier changes only the INT8 wo_b dot, which is exact on both tiers: outputs must
+// be bit-identical to avx2 (weights span the full int8 range, -128 included).
+TEST(Oproj, VnniTierBitIdenticalToAvx2) {
+  if (!td::cpu::cpu_has_avx2_vnni()) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  const auto& w = flash_weights();
+  for (index_t T : {1, 8, 13}) {
+    const auto o = random_o(w.cfg, T, 40 + T);
+    const auto a = run_kernel(w, o, T, td::cpu::Isa::avx2);
+    const auto v = run_kernel(w, o, T, td::cpu::Isa::avx2_vnni);
+    EXPECT_EQ(0, std::memcmp(a.data(), v.data(), a.size() * sizeof(bf16))) << "T=" << T;
+  }
 }
 
 // Exact integer path: o_packed chosen so o_r is exactly representable and Q8 is exact, then

@@ -471,11 +471,12 @@ int main(int argc, char** argv) {
   // time (median of 5; the read bandwidth at 2 threads by each reader's CPU time, the slowest
   // reader counts), which the % of ceiling uses, so that other tenants' load does not deflate
   // them; the same loops' wall-clock medians for reference (the larger of the two counts).
-  // INT8: the best of the four exact s8 × s8 mixes of ceilings.hpp (sign trick, widening,
-  // pre-widened int16 vpmaddwd, wo_b tile mix), as tdbench::int8_gops().
+  // INT8: the best of the four exact s8 × s8 AVX2 mixes of ceilings.hpp (sign trick, widening,
+  // pre-widened int16 vpmaddwd, wo_b tile mix), as tdbench::int8_gops(), and on the avx2_vnni
+  // tier (whose indexer score and wo_b run vpdpbusd) also the vpdpbusd loop.
   Ceilings wall_ce;
   wall_ce.fma_gflops = tdbench::fp32_fma_gflops();
-  wall_ce.int8_gops = tdbench::int8_gops();
+  wall_ce.int8_gops = tdbench::int8_ceiling_gops(isa);
   wall_ce.bw1 = tdbench::read_gbps(1);
   wall_ce.bw2 = max_threads >= 2 ? tdbench::read_gbps(2) : wall_ce.bw1;
   const double fma_2t = tdbench::fp32_fma_gflops_threads(2);
@@ -483,9 +484,12 @@ int main(int argc, char** argv) {
   const double int8_widen = tdbench::int8_mix_gops<tdbench::Int8Mix::widen, true>();
   const double int8_madd16 = tdbench::int8_mix_gops<tdbench::Int8Mix::madd16, true>();
   const double int8_tile = tdbench::int8_mix_gops<tdbench::Int8Mix::tile, true>();
+  const double int8_vnni =
+      isa == td::cpu::Isa::avx2_vnni ? tdbench::int8_vnni_gops<true>() : 0.0;
   Ceilings ce;
   ce.fma_gflops = std::max(tdbench::fp32_fma_gflops_cpu(), wall_ce.fma_gflops);
-  ce.int8_gops = std::max({int8_sign, int8_widen, int8_madd16, int8_tile, wall_ce.int8_gops});
+  ce.int8_gops =
+      std::max({int8_sign, int8_widen, int8_madd16, int8_tile, int8_vnni, wall_ce.int8_gops});
   ce.bw1 = std::max(tdbench::read_gbps_cpu(), wall_ce.bw1);
   ce.bw2 = max_threads >= 2 ? std::max(tdbench::read_gbps_cpu_threads(2), wall_ce.bw2) : ce.bw1;
   std::printf(
@@ -498,8 +502,9 @@ int main(int argc, char** argv) {
       wall_ce.fma_gflops, wall_ce.int8_gops, wall_ce.bw1, wall_ce.bw2, fma_2t);
   std::printf(
       "  INT8 mixes (CPU time): sign trick %.1f GOP/s, int16 vpmaddwd %.1f GOP/s, vpmovsxbw + "
-      "vpmaddwd %.1f GOP/s (the ceiling is the best); wo_b tile mix %.1f GOP/s\n",
-      int8_sign, int8_madd16, int8_widen, int8_tile);
+      "vpmaddwd %.1f GOP/s; wo_b tile mix %.1f GOP/s; AVX-VNNI vpdpbusd %.1f GOP/s (0: not "
+      "used); the ceiling is the best\n",
+      int8_sign, int8_madd16, int8_widen, int8_tile, int8_vnni);
   std::printf(
       "times: 1 thread = median CPU time of the calling thread over interleaved samples; 2 threads "
       "= minimum wall time\n\n");

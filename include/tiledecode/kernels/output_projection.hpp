@@ -11,7 +11,9 @@
 //   2. wo_a: tasks of (group, 32 rows); register tiles of 3 weight rows × 4 tokens (each weight
 //      vector widened once per 4 tokens, each activation vector loaded once per 3 rows), whole
 //      rows per tile so the weights stream as a few long runs; then Q8 per (token, group);
-//   3. wo_b: tasks of 32 output channels; two weight rows × up to 4 tokens per register tile.
+//   3. wo_b: tasks of 32 output channels; two weight rows × up to 4 tokens per register tile
+//      (Isa::avx2_vnni: vpdpbusd with the weights offset to u8; the per-(token, group)
+//      activation sums that undo the offset are taken in phase 2; exact, so bit-identical).
 // At decode sizes (T = 8) every weight is read once per call: 64 MiB (flash wo_a, BF16) + 32 MiB
 // (wo_b, INT8) against 2·T operations per weight element. On one core of the development machine
 // the compute roofline (wo_a FMA + wo_b INT8) is longer than the read roofline, so the call is
@@ -48,14 +50,15 @@ constexpr std::size_t round64(std::size_t n) {
 }
 
 struct Layout {
-  std::size_t of, orr, a, adq, total;  // byte offsets
+  std::size_t of, orr, a, adq, asum, total;  // byte offsets
   Layout(const ModelConfig& cfg, std::size_t T) {
     const std::size_t G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in();
     of = 0;                                         // FP32 [G*T, K]
     orr = of + round64(G * T * K * sizeof(float));  // FP32 [T, G, R]
     a = orr + round64(T * G * R * sizeof(float));   // INT8 [T, G*R]
     adq = a + round64(T * G * R);                   // FP32 [T, G]
-    total = adq + round64(T * G * sizeof(float));
+    asum = adq + round64(T * G * sizeof(float));    // INT32 [T, G]: Σ_r a_i8 (VNNI offset)
+    total = asum + round64(T * G * sizeof(std::int32_t));
   }
 };
 
@@ -74,7 +77,8 @@ struct ScalarOps {
       }
   }
   static void b_pair(std::int32_t* p, std::int64_t ldp, const std::int8_t* a, std::int64_t lda,
-                     int nt, const std::int8_t* w, std::int64_t ldw, int kr) {
+                     int nt, const std::int8_t* w, std::int64_t ldw, int kr,
+                     const std::int32_t* /*a_sum*/, std::int64_t /*ld_sum*/) {
     for (int t = 0; t < nt; ++t)
       for (int c = 0; c < 2; ++c) {
         std::int32_t acc = 0;
@@ -91,8 +95,18 @@ struct Avx2Ops {
     cpu::avx2::oproj_a_chunk(out, ldout, o, ldo, nt, w, ldw, nr, kc, nr_pf);
   }
   static void b_pair(std::int32_t* p, std::int64_t ldp, const std::int8_t* a, std::int64_t lda,
-                     int nt, const std::int8_t* w, std::int64_t ldw, int kr) {
+                     int nt, const std::int8_t* w, std::int64_t ldw, int kr,
+                     const std::int32_t* /*a_sum*/, std::int64_t /*ld_sum*/) {
     cpu::avx2::oproj_b_pair(p, ldp, a, lda, nt, w, ldw, kr);
+  }
+};
+
+// avx2_vnni: the avx2 wo_a stage, the vpdpbusd wo_b tile.
+struct Avx2VnniOps : Avx2Ops {
+  static void b_pair(std::int32_t* p, std::int64_t ldp, const std::int8_t* a, std::int64_t lda,
+                     int nt, const std::int8_t* w, std::int64_t ldw, int kr,
+                     const std::int32_t* a_sum, std::int64_t ld_sum) {
+    cpu::avx2_vnni::oproj_b_pair(p, ldp, a, lda, nt, w, ldw, kr, a_sum, ld_sum);
   }
 };
 #endif
@@ -104,10 +118,11 @@ void run(const cpu::Context& ctx, const ModelConfig& cfg, View<bf16, 2> attn_out
   const index_t T = attn_out.extent(0), G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in(),
                 N = cfg.hidden;
   const Layout L(cfg, std::size_t(T));
-  float* of = reinterpret_cast<float*>(ws + L.of);     // (G*T, K)
-  float* orr = reinterpret_cast<float*>(ws + L.orr);   // (T, G, R)
-  auto* a = reinterpret_cast<std::int8_t*>(ws + L.a);  // (T, G*R)
-  float* adq = reinterpret_cast<float*>(ws + L.adq);   // (T, G)
+  float* of = reinterpret_cast<float*>(ws + L.of);            // (G*T, K)
+  float* orr = reinterpret_cast<float*>(ws + L.orr);          // (T, G, R)
+  auto* a = reinterpret_cast<std::int8_t*>(ws + L.a);         // (T, G*R)
+  float* adq = reinterpret_cast<float*>(ws + L.adq);          // (T, G)
+  auto* asum = reinterpret_cast<std::int32_t*>(ws + L.asum);  // (T, G)
 
   ctx.parallel_for(0, G * T, 1, [&](std::int64_t row) {
     for (index_t k = 0; k < K; ++k) of[row * K + k] = o_packed(row, k).to_float();
@@ -131,6 +146,9 @@ void run(const cpu::Context& ctx, const ModelConfig& cfg, View<bf16, 2> attn_out
   ctx.parallel_for(0, T * G, 1, [&](std::int64_t tg) {
     adq[tg] = quantize_q8(std::span<std::int8_t>(a + tg * R, std::size_t(R)),
                           std::span<const float>(orr + tg * R, std::size_t(R)));
+    std::int32_t sum = 0;
+    for (index_t r = 0; r < R; ++r) sum += a[tg * R + r];
+    asum[tg] = sum;
   });
   const index_t chan_tasks = (N + kChanPerTask - 1) / kChanPerTask;
   ctx.parallel_for(0, chan_tasks, 1, [&](std::int64_t task) {
@@ -146,7 +164,8 @@ void run(const cpu::Context& ctx, const ModelConfig& cfg, View<bf16, 2> attn_out
         float acc[kTok][2] = {};
         for (index_t g = 0; g < G; ++g) {
           std::int32_t p[kTok][2];
-          Ops::b_pair(&p[0][0], 2, a + t0 * G * R + g * R, G * R, nt, w + g * R, ldw, int(R));
+          Ops::b_pair(&p[0][0], 2, a + t0 * G * R + g * R, G * R, nt, w + g * R, ldw, int(R),
+                      asum + t0 * G + g, G);
           for (int t = 0; t < nt; ++t)
             for (int c = 0; c < 2; ++c) acc[t][c] += adq[(t0 + t) * G + g] * float(p[t][c]);
         }
@@ -195,7 +214,9 @@ inline void output_projection(const cpu::Context& ctx, const ModelConfig& cfg,
   check_equal(where, "wo_b.extent(1)", wo_b.extent(1), G * R);
   check_equal(where, "wo_b.stride(1)", wo_b.stride(1), index_t(1));
   check_equal(where, "wo_b_scale.extent(0)", wo_b_scale.extent(0), N);
-  if (R % 32 != 0) throw_arg(where, "cfg.o_lora", R, "a multiple of 32");
+  if (R % 32 != 0 || R > 65536) {
+    throw_arg(where, "cfg.o_lora", R, "a multiple of 32 in [32, 65536] (INT32 bound of wo_b)");
+  }
   if (K % 8 != 0) throw_arg(where, "cfg.o_group_in()", K, "a multiple of 8");
   const std::size_t need = output_projection_workspace_bytes(cfg, T);
   if (workspace.size() < need)
@@ -205,8 +226,11 @@ inline void output_projection(const cpu::Context& ctx, const ModelConfig& cfg,
   auto base = reinterpret_cast<std::uintptr_t>(workspace.data());
   std::byte* ws = workspace.data() + (64 - base % 64) % 64;
   namespace od = output_projection_detail;
+  const cpu::Isa isa = cpu::checked_isa(ctx.isa);
 #if TILEDECODE_X86
-  if (cpu::has_avx2(ctx.isa))
+  if (isa == cpu::Isa::avx2_vnni)
+    return od::run<od::Avx2VnniOps>(ctx, cfg, attn_out, o_packed, wo_a, wo_b, wo_b_scale, ws);
+  if (cpu::has_avx2(isa))
     return od::run<od::Avx2Ops>(ctx, cfg, attn_out, o_packed, wo_a, wo_b, wo_b_scale, ws);
 #endif
   od::run<od::ScalarOps>(ctx, cfg, attn_out, o_packed, wo_a, wo_b, wo_b_scale, ws);

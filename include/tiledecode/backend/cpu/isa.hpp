@@ -73,10 +73,15 @@ inline bool cpu_has_avx2() {
 inline bool cpu_has_avx2_vnni() {
 #if TILEDECODE_X86 && (defined(__GNUC__) || defined(__clang__))
   // CPUID.(EAX=7, ECX=1):EAX bit 4 = AVX-VNNI (VEX). Read directly: clang 14's
-  // __builtin_cpu_supports does not know "avxvnni". The YMM state check is cpu_has_avx2's.
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!cpu_has_avx2() || !__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
-  return (a >> 4) & 1u;
+  // __builtin_cpu_supports does not know "avxvnni". CPUID traps to the hypervisor on a VM
+  // (microseconds), so the answer -- a constant of the machine -- is read once, like the
+  // builtin's own cache. The YMM state check is cpu_has_avx2's.
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!cpu_has_avx2() || !__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+    return ((a >> 4) & 1u) != 0;
+  }();
+  return has;
 #else
   return false;
 #endif

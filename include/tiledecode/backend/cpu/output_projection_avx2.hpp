@@ -3,14 +3,17 @@
 //   wo_a stage  o_r[t, r] += Σ_k o[t, k] · wo_a[r, k]   BF16 weights widened in registers,
 //               FP32 activations, reduction over k in 8-lane partial sums, one K chunk at a time
 //               (the micro-kernel shared with the compressors, bf16_rows_avx2.hpp)
-//   wo_b stage  P[t, n] = Σ_r a[t, r] · wo_b[n, r]      exact INT8 dot (sign trick, simd/avx2.hpp)
-// Must only be called after the runtime AVX2 check (ctx.isa == Isa::avx2).
+//   wo_b stage  P[t, n] = Σ_r a[t, r] · wo_b[n, r]      exact INT8 dot (sign trick, simd/avx2.hpp;
+//               vpdpbusd on Isa::avx2_vnni, end of file)
+// Must only be called after the runtime ISA check (cpu::has_avx2(ctx.isa); the VNNI tile only
+// for Isa::avx2_vnni).
 
 #include <cstdint>
 
 #include "tiledecode/backend/cpu/bf16_rows_avx2.hpp"
 #include "tiledecode/backend/cpu/isa.hpp"
 #include "tiledecode/backend/cpu/simd/avx2.hpp"
+#include "tiledecode/backend/cpu/simd/avx_vnni.hpp"
 #include "tiledecode/core/bf16.hpp"
 
 #if TILEDECODE_X86
@@ -78,4 +81,71 @@ TILEDECODE_TARGET_AVX2 inline void oproj_b_pair(std::int32_t* p, std::int64_t ld
 }
 
 }  // namespace tiledecode::cpu::avx2
+
+namespace tiledecode::cpu::avx2_vnni {
+
+// The wo_b tile on vpdpbusd (avx2::oproj_b_tile's contract plus the activation sums):
+//   p[t * ldp + c] = Σ_{r < kr} a[t * lda + r] · w[c * ldw + r]   (exact INT32), t < NT, c < 2.
+// The weight becomes the unsigned operand by the offset w + 128 (XOR 0x80, once per weight
+// vector, shared by the NT tokens); the activation stays signed:
+//   Σ_r (w_r + 128) a_r = a·w + 128 Σ_r a_r,  a_sum[t * ld_sum] = Σ_{r < kr} a[t * lda + r].
+// One vpdpbusd per 32 pairs per token (the sign-trick tile needs two vpsignb, vpmaddubsw,
+// vpmaddwd and vpaddd). Exact for any int8 weight and activation: a lane sums kr / 8 products of
+// magnitude <= 255·128 and the caller bounds kr <= 65536, so no INT32 overflow.
+template <int NT>
+TILEDECODE_TARGET_AVX2_VNNI inline void oproj_b_tile(std::int32_t* p, std::int64_t ldp,
+                                                     const std::int8_t* a, std::int64_t lda,
+                                                     const std::int8_t* w, std::int64_t ldw, int kr,
+                                                     const std::int32_t* a_sum,
+                                                     std::int64_t ld_sum) {
+  __m256i acc[NT][2];
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+  const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int r = 0; r < kr; r += 32) {
+    if ((r & 63) == 0) {  // next pair of weight rows, same offset
+      _mm_prefetch(reinterpret_cast<const char*>(w + 2 * ldw + r), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + 3 * ldw + r), _MM_HINT_T0);
+    }
+    const __m256i w0 =
+        _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r)), offset);
+    const __m256i w1 =
+        _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + ldw + r)), offset);
+    for (int t = 0; t < NT; ++t) {
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + t * lda + r));
+      acc[t][0] = dpbusd(acc[t][0], w0, av);
+      acc[t][1] = dpbusd(acc[t][1], w1, av);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const std::int32_t bias = 128 * a_sum[t * ld_sum];
+    p[t * ldp] = avx2::hsum_epi32(acc[t][0]) - bias;
+    p[t * ldp + 1] = avx2::hsum_epi32(acc[t][1]) - bias;
+  }
+}
+
+// Two weight rows (w, w + ldw) against nt activation rows (avx2::oproj_b_pair's contract).
+TILEDECODE_TARGET_AVX2_VNNI inline void oproj_b_pair(std::int32_t* p, std::int64_t ldp,
+                                                     const std::int8_t* a, std::int64_t lda, int nt,
+                                                     const std::int8_t* w, std::int64_t ldw, int kr,
+                                                     const std::int32_t* a_sum,
+                                                     std::int64_t ld_sum) {
+  int t = 0;
+  for (; t + 4 <= nt; t += 4)
+    oproj_b_tile<4>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr, a_sum + t * ld_sum, ld_sum);
+  switch (nt - t) {
+    case 3:
+      oproj_b_tile<3>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr, a_sum + t * ld_sum, ld_sum);
+      break;
+    case 2:
+      oproj_b_tile<2>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr, a_sum + t * ld_sum, ld_sum);
+      break;
+    case 1:
+      oproj_b_tile<1>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr, a_sum + t * ld_sum, ld_sum);
+      break;
+    default:
+      break;
+  }
+}
+
+}  // namespace tiledecode::cpu::avx2_vnni
 #endif
