@@ -122,7 +122,7 @@ void bm_qkv(benchmark::State& state, td::ModelConfig cfg) {
   // per call; several: compute ceiling × threads and read_gbps(threads) against wall time (rate
   // counters: value · iterations ÷ elapsed seconds).
   const double fma1 = tdbench::fp32_fma_gflops_cpu() * 1e9;
-  const double i8_1 = tdbench::int8_gops_cpu() * 1e9;
+  const double i8_1 = tdbench::int8_ceiling_gops<true>(ctx.isa) * 1e9;  // VNNI on avx2_vnni
   if (threads == 1) {
     const double t_cmp = flops / fma1 + ops / i8_1,
                  t_mem = bytes / (tdbench::read_gbps_cpu() * 1e9);

@@ -26,7 +26,7 @@ using td::index_t;
 namespace {
 
 std::vector<td::cpu::Isa> isas() {
-  return td::cpu::supported_isas();  // scalar, avx2, avx2_vnni (the VNNI indexer score)
+  return td::cpu::supported_isas();  // scalar, avx2, avx2_vnni (VNNI INT8 kernels)
 }
 
 template <class T, std::size_t R>
@@ -256,6 +256,23 @@ TEST(QkvProjection, ThreadInvariantAndOddTokenCount) {
     EXPECT_EQ(0, std::memcmp(a.q.data(), b.q.data(), a.q.size() * 2));
     EXPECT_EQ(0, std::memcmp(a.kv.data(), b.kv.data(), a.kv.size() * 2));
     EXPECT_EQ(0, std::memcmp(a.qr.data(), b.qr.data(), a.qr.size()));
+  }
+}
+
+// The avx2_vnni wq_b matmul (vpdpbusd, weights offset to u8) is exact like the avx2 one: the
+// outputs must be bit-identical, also with weights at both int8 extremes.
+TEST(QkvProjection, VnniTierBitIdenticalToAvx2) {
+  if (!td::cpu::cpu_has_avx2_vnni()) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  for (index_t T : {8, 11}) {
+    QkvFixture f(td::flash_config(), T, 34 + std::uint64_t(T));
+    auto* wb = f.wq_b.data();
+    for (std::size_t i = 0; i < f.wq_b.size(); i += 7) wb[i] = (i / 7) % 2 ? -128 : 127;
+    QkvOut a(f.cfg, f.T), v(f.cfg, f.T);
+    run_qkv(f, a, td::cpu::Context{nullptr, td::cpu::Isa::avx2});
+    run_qkv(f, v, td::cpu::Context{nullptr, td::cpu::Isa::avx2_vnni});
+    EXPECT_EQ(0, std::memcmp(a.q.data(), v.q.data(), a.q.size() * 2)) << "T=" << T;
+    EXPECT_EQ(0, std::memcmp(a.kv.data(), v.kv.data(), a.kv.size() * 2)) << "T=" << T;
+    EXPECT_EQ(0, std::memcmp(a.qr.data(), v.qr.data(), a.qr.size())) << "T=" << T;
   }
 }
 

@@ -21,8 +21,9 @@
 // Fast path: the weights are streamed once per step for all T tokens (axpy order, see
 // backend/cpu/decode_avx2.hpp). Tasks: 256-column tiles of wq_a and wkv; then one task per token
 // (norms, Q8, kv RoPE); then one task per query head (its 512 columns of wq_b, tokens in chunks
-// of 8). Every output element has one producer and a fixed order: results do not depend on the
-// thread count, and the AVX2 and scalar paths give identical matmul results.
+// of 8; on Isa::avx2_vnni the wq_b matmul runs on vpdpbusd). Every output element has one
+// producer and a fixed order: results do not depend on the thread count, and the scalar, AVX2
+// and AVX-VNNI paths give identical matmul results.
 
 #include <cmath>
 #include <cstdint>
@@ -159,7 +160,11 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
   check_equal<index_t>(where, "rope.cos.extent(1)", rope.cos.extent(1), RD);
   for (index_t t = 0; t < T; ++t) check_rope_position(where, rope, position_ids(t));
 
-  [[maybe_unused]] const bool avx2 = cpu::has_avx2(ctx.isa) && TILEDECODE_X86;
+  [[maybe_unused]] const bool avx2 = cpu::has_avx2(cpu::checked_isa(ctx.isa)) && TILEDECODE_X86;
+  // avx2_vnni: the wq_b matmul on vpdpbusd (exact, identical results); its INT32 bound needs
+  // Q_LORA <= 65536 and 32-column multiples (head_dim 512), otherwise the avx2 matmul runs.
+  [[maybe_unused]] const bool vnni =
+      avx2 && ctx.isa == cpu::Isa::avx2_vnni && QL <= 65536 && HD % 32 == 0;
   // 1. x_n → FP32 (exact), once, so the matmul broadcasts floats.
   for (index_t t = 0; t < T; ++t)
     for (index_t k = 0; k < D; ++k) s.x(t, k) = x_n(t, k).to_float();
@@ -222,7 +227,17 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
     for (index_t t0 = 0; t0 < T; t0 += 8) {
       const int tc = int(std::min<index_t>(8, T - t0));
 #if TILEDECODE_X86
-      if (avx2) {
+      if (vnni) {
+        std::int32_t a_sum[8];
+        for (int tt = 0; tt < tc; ++tt) {
+          const std::int8_t* qrt = qr.data() + (t0 + tt) * qr.stride(0);
+          std::int32_t sum = 0;
+          for (index_t k = 0; k < QL; ++k) sum += qrt[k];
+          a_sum[tt] = sum;
+        }
+        cpu::avx2_vnni::matmul_i8_axpy(acc, kAccLd, qr.data() + t0 * qr.stride(0), qr.stride(0),
+                                       a_sum, tc, w.wq_b.data(), w.wq_b.stride(0), QL, n0, n0 + HD);
+      } else if (avx2) {
         cpu::avx2::matmul_i8_axpy(acc, kAccLd, s.qr_pairs.data() + t0 * s.qr_pairs.stride(0),
                                   s.qr_pairs.stride(0), tc, w.wq_b.data(), w.wq_b.stride(0), QL, n0,
                                   n0 + HD);

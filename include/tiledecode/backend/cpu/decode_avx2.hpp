@@ -13,9 +13,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "tiledecode/backend/cpu/isa.hpp"
 #include "tiledecode/backend/cpu/simd/avx2.hpp"
+#include "tiledecode/backend/cpu/simd/avx_vnni.hpp"
 #include "tiledecode/core/bf16.hpp"
 
 #if TILEDECODE_X86
@@ -228,4 +230,85 @@ TILEDECODE_TARGET_AVX2 inline void hc_post_row(float* y, std::int64_t y_ld, cons
 }
 
 }  // namespace tiledecode::cpu::avx2
+
+namespace tiledecode::cpu::avx2_vnni {
+
+// Rows p, p + ld, p + 2ld, p + 3ld (32 INT8 columns each) offset to u8 (w + 128) and interleaved
+// into dwords (w[r][n], w[r+1][n], w[r+2][n], w[r+3][n]); per-lane unpacks leave the columns as
+// q[0] = {0-3, 16-19}, q[1] = {4-7, 20-23}, q[2] = {8-11, 24-27}, q[3] = {12-15, 28-31}.
+TILEDECODE_TARGET_AVX2_VNNI inline void u8_row_quads(const std::int8_t* p, std::int64_t ld,
+                                                     __m256i q[4]) {
+  const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i)
+    r[i] =
+        _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * ld)), offset);
+  const __m256i t0 = _mm256_unpacklo_epi8(r[0], r[1]), t1 = _mm256_unpackhi_epi8(r[0], r[1]);
+  const __m256i t2 = _mm256_unpacklo_epi8(r[2], r[3]), t3 = _mm256_unpackhi_epi8(r[2], r[3]);
+  q[0] = _mm256_unpacklo_epi16(t0, t2);
+  q[1] = _mm256_unpackhi_epi16(t0, t2);
+  q[2] = _mm256_unpacklo_epi16(t1, t3);
+  q[3] = _mm256_unpackhi_epi16(t1, t3);
+}
+
+// avx2::matmul_i8_axpy's contract on vpdpbusd: acc[t, j] = Σ_k a[t, k] * w[k, n0 + j] exactly in
+// INT32, for j < n1 - n0 (a multiple of 32) and K a multiple of 8. `a` holds the INT8
+// activations (row stride a_ld bytes), a_sum[t] = Σ_k a[t, k]. The weights become the unsigned
+// operand (w + 128, four consecutive rows interleaved per column), the activation dword
+// (a[t,k..k+3]) is broadcast signed, and the accumulators start at -128·a_sum[t]:
+//   Σ_k (w_k + 128)·a_k - 128·Σ_k a_k = Σ_k w_k·a_k.
+// Bound: partial sums stay within 255·128·K + 128·127·K < 2^31 for K <= 65536 (the caller
+// checks). Two 4-row groups per pass: 8 weight vectors, 4 accumulators and 2 broadcasts live.
+TILEDECODE_TARGET_AVX2_VNNI inline void matmul_i8_axpy(std::int32_t* acc, std::int64_t acc_ld,
+                                                       const std::int8_t* a, std::int64_t a_ld,
+                                                       const std::int32_t* a_sum, int T,
+                                                       const std::int8_t* w, std::int64_t w_ld,
+                                                       std::int64_t K, std::int64_t n0,
+                                                       std::int64_t n1) {
+  const std::int64_t width = n1 - n0;
+  for (int t = 0; t < T; ++t) {
+    const __m256i start = _mm256_set1_epi32(-128 * a_sum[t]);
+    for (std::int64_t j = 0; j < width; j += 8)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + t * acc_ld + j), start);
+  }
+  for (std::int64_t k = 0; k + 8 <= K; k += 8) {
+    // Software prefetch kI8Ahead rows ahead (rows are w_ld apart: see avx2::matmul_i8_axpy).
+    const bool ahead = k + avx2::kI8Ahead + 8 <= K;
+    for (std::int64_t j = 0; j < width; j += 32) {
+      if (ahead && (j & 63) == 0) {
+        const std::int8_t* pf = w + (k + avx2::kI8Ahead) * w_ld + n0 + j;
+        for (int r = 0; r < 8; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + r * w_ld), _MM_HINT_T0);
+      }
+      __m256i q[8];
+      u8_row_quads(w + k * w_ld + n0 + j, w_ld, q);
+      u8_row_quads(w + (k + 4) * w_ld + n0 + j, w_ld, q + 4);
+      for (int t = 0; t < T; ++t) {
+        std::int32_t a0, a1;
+        std::memcpy(&a0, a + t * a_ld + k, 4);
+        std::memcpy(&a1, a + t * a_ld + k + 4, 4);
+        const __m256i b0 = _mm256_set1_epi32(a0), b1 = _mm256_set1_epi32(a1);
+        __m256i* d = reinterpret_cast<__m256i*>(acc + t * acc_ld + j);
+        for (int c = 0; c < 4; ++c) {
+          const __m256i x = _mm256_loadu_si256(d + c);
+          _mm256_storeu_si256(d + c, dpbusd(dpbusd(x, q[c], b0), q[4 + c], b1));
+        }
+      }
+    }
+  }
+  // Undo the in-lane interleave (see u8_row_quads) into natural column order.
+  for (int t = 0; t < T; ++t) {
+    for (std::int64_t j = 0; j < width; j += 32) {
+      __m256i* d = reinterpret_cast<__m256i*>(acc + t * acc_ld + j);
+      const __m256i x0 = _mm256_loadu_si256(d), x1 = _mm256_loadu_si256(d + 1);
+      const __m256i x2 = _mm256_loadu_si256(d + 2), x3 = _mm256_loadu_si256(d + 3);
+      _mm256_storeu_si256(d, _mm256_permute2x128_si256(x0, x1, 0x20));
+      _mm256_storeu_si256(d + 1, _mm256_permute2x128_si256(x2, x3, 0x20));
+      _mm256_storeu_si256(d + 2, _mm256_permute2x128_si256(x0, x1, 0x31));
+      _mm256_storeu_si256(d + 3, _mm256_permute2x128_si256(x2, x3, 0x31));
+    }
+  }
+}
+
+}  // namespace tiledecode::cpu::avx2_vnni
 #endif
