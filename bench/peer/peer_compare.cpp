@@ -285,10 +285,24 @@ double thread_cpu_us() {
   return tdbench::thread_cpu_seconds() * 1e6;
 }
 
+// Reads a 64 MiB buffer (more than the last-level cache) so that the previous sample's dirty
+// cache lines are written back before the next sample starts: otherwise each side pays for the
+// other's write-backs (the peer writes hundreds of MB of temporaries per layer; in
+// bench_decode_step the CSA layer took 25 ms after a 256 MB read sweep, 34 ms after a 256 MB
+// sweep that dirtied the cache).
+void write_back_dirty_lines() {
+  static const std::vector<std::uint64_t> buf((std::size_t(64) << 20) / sizeof(std::uint64_t), 1);
+  std::uint64_t sum = 0;
+  for (std::size_t i = 0; i < buf.size(); i += 8) sum += buf[i];  // one load per 64-byte line
+  volatile std::uint64_t sink = sum;
+  (void)sink;
+}
+
 // Items sampled round-robin: one warm-up run each, then rounds of one timed run per item until
 // `min_reps` rounds and `min_time` seconds per item have passed. Each sample records wall time
 // and the calling thread's CPU time (which, for single-threaded runs, excludes the time the OS
-// gave to other processes on a shared machine).
+// gave to other processes on a shared machine). Every sample starts from a clean cache (no dirty
+// lines, see write_back_dirty_lines) after a 0.5 ms pause.
 std::vector<Stat> measure_interleaved(const std::vector<Timed>& items, double min_time,
                                       int min_reps, int max_reps) {
   using clk = std::chrono::steady_clock;
@@ -301,6 +315,7 @@ std::vector<Stat> measure_interleaved(const std::vector<Timed>& items, double mi
   for (int round = 0; round < max_reps; ++round) {
     for (std::size_t i = 0; i < items.size(); ++i) {
       items[i].prepare();
+      write_back_dirty_lines();
       // Let the previous item's worker threads (OpenBLAS, libgomp: bounded spins, see
       // scripts/peer_compare.sh) go to sleep before this one is timed.
       std::this_thread::sleep_for(std::chrono::microseconds(500));
@@ -484,8 +499,7 @@ int main(int argc, char** argv) {
   const double int8_widen = tdbench::int8_mix_gops<tdbench::Int8Mix::widen, true>();
   const double int8_madd16 = tdbench::int8_mix_gops<tdbench::Int8Mix::madd16, true>();
   const double int8_tile = tdbench::int8_mix_gops<tdbench::Int8Mix::tile, true>();
-  const double int8_vnni =
-      isa == td::cpu::Isa::avx2_vnni ? tdbench::int8_vnni_gops<true>() : 0.0;
+  const double int8_vnni = isa == td::cpu::Isa::avx2_vnni ? tdbench::int8_vnni_gops<true>() : 0.0;
   Ceilings ce;
   ce.fma_gflops = std::max(tdbench::fp32_fma_gflops_cpu(), wall_ce.fma_gflops);
   ce.int8_gops =
@@ -655,7 +669,8 @@ int main(int argc, char** argv) {
     if (k.name == "layer_csa") bar = 3.0;
     const double x = r1->peer_us / r1->td_us;
     const bool scale_bar = k.name == "indexer" || k.name.rfind("attn_", 0) == 0;
-    const double sc = r2 ? r1->td_us / r2->td_us : NAN;
+    // As docs/performance.md (bench/report): minimum wall time at 1 thread / at 2 threads.
+    const double sc = r2 ? r1->td_stat.wall_min / r2->td_stat.wall_min : NAN;
     std::printf("%-17s %9.2fx %5.2fx %8s %9.2fx %6s %s\n", k.name.c_str(), x, bar,
                 x >= bar ? "ok" : "MISS", sc, scale_bar ? "1.80x" : "-",
                 scale_bar ? (sc >= 1.8 ? "ok" : "MISS") : "");
