@@ -158,6 +158,22 @@ TEST(Buffer, AlignedZeroedCopyMove) {
   EXPECT_EQ(t.view().extent(1), 4);
 }
 
+TEST(Buffer, LargeBuffersStartOnAHugePageAndSurviveCopyAndMove) {
+  // >= 2 MiB: 2 MiB aligned (transparent huge pages requested on Linux); smaller: 64 B aligned.
+  const std::size_t big = (std::size_t(2) << 20) / sizeof(float) + 5;
+  td::Buffer<float> b(big);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b.data()) % (std::size_t(2) << 20), 0u);
+  for (std::size_t i = 0; i < big; i += 4097) EXPECT_EQ(b[i], 0.0f);
+  b[big - 1] = 3.0f;
+  td::Buffer<float> c = b;
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(c.data()) % (std::size_t(2) << 20), 0u);
+  EXPECT_EQ(c[big - 1], 3.0f);
+  td::Buffer<float> d = std::move(c);
+  EXPECT_EQ(d[big - 1], 3.0f);
+  d = td::Buffer<float>(7);  // frees the huge-page-aligned block with its own alignment
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(d.data()) % 64, 0u);
+}
+
 TEST(Error, MessageNamesArgumentValueAndRange) {
   try {
     td::check_range<std::int64_t>("write_rows", "slot_mapping[3]", 999, -1, 512);
