@@ -250,8 +250,8 @@ Outputs run_kernel(const Fixture& f, td::cpu::Isa isa, int threads,
 }
 
 std::vector<td::cpu::Isa> isas() {
-  // avx2_vnni runs this kernel's avx2 code unchanged (only the INT8 indexer score and wo_b have VNNI paths),
-  // so it is not run twice here; test_layer covers every tier end to end.
+  // avx2_vnni runs this kernel's avx2 code unchanged (only the INT8 indexer score and wo_b have
+  // VNNI paths), so it is not run twice here; test_layer covers every tier end to end.
   std::vector<td::cpu::Isa> v{td::cpu::Isa::scalar};
   if (td::cpu::cpu_has_avx2()) v.push_back(td::cpu::Isa::avx2);
   return v;
