@@ -56,7 +56,9 @@ struct QkvScratch {
   View<float, 2> x;                // (T, D)       x_n widened to FP32
   View<float, 2> cq;               // (T, Q_LORA)  normed q-latent
   View<float, 2> kvf;              // (T, 512)     normed kv before RoPE
-  View<std::int32_t, 2> qr_pairs;  // (T, Q_LORA/2) qr packed as int16 pairs
+  View<std::int32_t, 2> qr_pairs;  // (T, Q_LORA/2) the INT8 matmul's operand staging: qr packed
+                                   // as int16 pairs (avx2, scalar); [t, 0] = Σ_k qr[t, k] on
+                                   // avx2_vnni (the sum that undoes vpdpbusd's u8 offset)
 };
 
 namespace kernels {
@@ -201,10 +203,16 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
     std::int8_t* qrt = qr.data() + t * qr.stride(0);
     qr_scale(t) = quantize_q8(std::span<std::int8_t>(qrt, std::size_t(QL)),
                               std::span<const float>(cq, std::size_t(QL)));
-    for (index_t k = 0; k < QL; k += 2) {
-      const auto lo = std::uint32_t(std::uint16_t(std::int16_t(qrt[k])));
-      const auto hi = std::uint32_t(std::uint16_t(std::int16_t(qrt[k + 1])));
-      s.qr_pairs(t, k / 2) = std::int32_t(lo | (hi << 16));
+    if (vnni) {
+      std::int32_t sum = 0;
+      for (index_t k = 0; k < QL; ++k) sum += qrt[k];
+      s.qr_pairs(t, 0) = sum;
+    } else {
+      for (index_t k = 0; k < QL; k += 2) {
+        const auto lo = std::uint32_t(std::uint16_t(std::int16_t(qrt[k])));
+        const auto hi = std::uint32_t(std::uint16_t(std::int16_t(qrt[k + 1])));
+        s.qr_pairs(t, k / 2) = std::int32_t(lo | (hi << 16));
+      }
     }
     const float* kvr = s.kvf.data() + t * s.kvf.stride(0);
     double kd[kMaxHeadDim];
@@ -229,12 +237,7 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
 #if TILEDECODE_X86
       if (vnni) {
         std::int32_t a_sum[8];
-        for (int tt = 0; tt < tc; ++tt) {
-          const std::int8_t* qrt = qr.data() + (t0 + tt) * qr.stride(0);
-          std::int32_t sum = 0;
-          for (index_t k = 0; k < QL; ++k) sum += qrt[k];
-          a_sum[tt] = sum;
-        }
+        for (int tt = 0; tt < tc; ++tt) a_sum[tt] = s.qr_pairs(t0 + tt, 0);  // step 3's Σ qr
         cpu::avx2_vnni::matmul_i8_axpy(acc, kAccLd, qr.data() + t0 * qr.stride(0), qr.stride(0),
                                        a_sum, tc, w.wq_b.data(), w.wq_b.stride(0), QL, n0, n0 + HD);
       } else if (avx2) {
