@@ -151,7 +151,19 @@ class View {
 template <class T, std::size_t Rank>
 using ConstView = View<const T, Rank>;
 
-// Owning, zero-initialised, 64-byte aligned storage of `n` elements of a trivial type.
+namespace detail {
+// Asks for transparent huge pages before the first touch (Linux; advisory, ignored where THP is
+// off): streaming 100+ MB per layer through 4 KB pages costs a page walk per 4 KB once other
+// work has evicted the page tables from the caches.
+inline void advise_huge_pages([[maybe_unused]] void* p, [[maybe_unused]] std::size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  ::madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+}
+}  // namespace detail
+
+// Owning, zero-initialised, 64-byte aligned storage of `n` elements of a trivial type (2 MiB
+// aligned, with huge pages requested, from 2 MiB on).
 template <class T>
 class Buffer {
   static_assert(std::is_trivially_copyable_v<T>, "Buffer holds trivially copyable types");
@@ -165,12 +177,7 @@ class Buffer {
     if (n == 0) return;
     const std::size_t bytes = rounded_bytes(n);
     data_ = static_cast<T*>(::operator new (bytes, std::align_val_t{alignment(n)}));
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    // Large buffers (weights, caches) ask for transparent huge pages before the first touch:
-    // streaming 100+ MB per layer through 4 KB pages costs a page walk per 4 KB once other
-    // work has evicted the page tables from the caches. Advisory; ignored where THP is off.
-    if (bytes >= kHugePage) ::madvise(static_cast<void*>(data_), bytes, MADV_HUGEPAGE);
-#endif
+    if (bytes >= kHugePage) detail::advise_huge_pages(data_, bytes);
     std::memset(static_cast<void*>(data_), 0, bytes);
   }
   Buffer(const Buffer& o) : Buffer(o.n_) {
@@ -187,39 +194,17 @@ class Buffer {
     if (data_) ::operator delete (data_, std::align_val_t{alignment(n_)});
   }
 
-  T* data() {
-    return data_;
-  }
-  const T* data() const {
-    return data_;
-  }
-  std::size_t size() const {
-    return n_;
-  }
-  T& operator[](std::size_t i) {
-    return data_[i];
-  }
-  const T& operator[](std::size_t i) const {
-    return data_[i];
-  }
-  T* begin() {
-    return data_;
-  }
-  T* end() {
-    return data_ + n_;
-  }
-  const T* begin() const {
-    return data_;
-  }
-  const T* end() const {
-    return data_ + n_;
-  }
-  std::span<T> span() {
-    return {data_, n_};
-  }
-  std::span<const T> span() const {
-    return {data_, n_};
-  }
+  T* data() { return data_; }
+  const T* data() const { return data_; }
+  std::size_t size() const { return n_; }
+  T& operator[](std::size_t i) { return data_[i]; }
+  const T& operator[](std::size_t i) const { return data_[i]; }
+  T* begin() { return data_; }
+  T* end() { return data_ + n_; }
+  const T* begin() const { return data_; }
+  const T* end() const { return data_ + n_; }
+  std::span<T> span() { return {data_, n_}; }
+  std::span<const T> span() const { return {data_, n_}; }
 
   // Row-major view of the whole buffer with the given shape (element counts must match).
   template <std::size_t Rank>
