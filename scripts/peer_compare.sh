@@ -43,9 +43,17 @@ lscpu > "$PEER_BUILD_DIR/lscpu.txt"
 # core from whatever is sampled next: TileDecode at 2 threads measured no faster than at 1 while
 # its own benchmarks showed 1.74-1.85x. Bounded spins (~0.1-0.2 ms) still cover the gaps between
 # the back-to-back BLAS calls and parallel regions inside one peer kernel. TileDecode's own pool
-# never spins (it blocks at once), so this is not a handicap for the peer.
+# spins at most 100 us before it blocks, and before every 2-thread sample peer_compare wakes the
+# sampled side's threads (untimed), so this is not a handicap for the peer.
 export OPENBLAS_THREAD_TIMEOUT="${OPENBLAS_THREAD_TIMEOUT:-18}"
 export GOMP_SPINCOUNT="${GOMP_SPINCOUNT:-10000}"
+# Transparent huge pages for every malloc'd block (glibc >= 2.35; older ones ignore it). With THP
+# in "madvise" mode (this VM) the peer's FP32 weights and ATen temporaries sat on 4 KB pages and
+# its layer step took 385-690 ms instead of 68-93 ms, all user time and no page faults: perf put
+# 74 % of it in OpenBLAS's packing copies (sgemm_itcopy/incopy), which walk the weights with a
+# 16 KB stride, a TLB miss per row. An engine gets huge pages from THP=always or its allocator;
+# TileDecode's own buffers of 2 MiB and more request them (Buffer).
+export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}"
 "$PEER_BUILD_DIR/bench/peer/peer_compare" --json "$OUT_JSON" "$@" | tee "$PEER_BUILD_DIR/peer_compare.log"
 
 notes=()

@@ -33,6 +33,8 @@
 #include <dlfcn.h>
 #include <torch/version.h>
 
+#include <atomic>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -275,6 +277,24 @@ void peer_set_threads(int aten_threads, int blas_threads) {
   using SetFn = void (*)(int);
   if (auto f = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
     f(blas_threads);
+}
+
+void peer_wake_threads(int aten_threads, int blas_threads) {
+  if (blas_threads > 1) {
+    static const AT a = at::ones({256, 256}, at::kFloat), b = at::ones({256, 256}, at::kFloat);
+    static AT c = at::empty({256, 256}, at::kFloat);
+    at::mm_out(c, a, b);
+  }
+  if (aten_threads > 1) {
+    // A barrier with a bound: every chunk waits (at most 2 ms) until all have started.
+    std::atomic<int> arrived{0};
+    at::parallel_for(0, aten_threads, 1, [&](int64_t b, int64_t e) {
+      arrived.fetch_add(int(e - b));
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2);
+      while (arrived.load() < aten_threads && std::chrono::steady_clock::now() < until) {
+      }
+    });
+  }
 }
 
 std::string peer_version() {

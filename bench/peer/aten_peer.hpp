@@ -29,6 +29,10 @@ enum class WeightMode {
 
 // Threads for ATen's intra-op pool (OpenMP) and for OpenBLAS's own pthread pool.
 void peer_set_threads(int aten_threads, int blas_threads);
+// Wakes the peer's worker threads (returns once every ATen thread has entered one parallel
+// region, after a 256^3 sgemm that OpenBLAS splits over its own threads), so that a call timed
+// right after starts with awake threads, as inside a decode step; see peer_compare's sampling.
+void peer_wake_threads(int aten_threads, int blas_threads);
 // "OpenBLAS 0.3.21 ... core Haswell; sgemm_ resolved from /path" and the ATen parallel info.
 std::string peer_blas_info();
 std::string peer_version();

@@ -12,13 +12,16 @@
 // least --min-time seconds each and 3 rounds. The reported time of a single-thread row is the
 // median CPU time of the calling thread (on a shared machine, wall time mostly measures the
 // other tenants; every single-thread implementation here runs on the calling thread); of a
-// 2-thread row, the minimum wall time. Wall medians and minima are in the JSON as well.
+// 2-thread row, the minimum wall time, every sample starting with the item's threads awake
+// (measure_interleaved); TileDecode's 2-thread rows also carry the samples taken with its worker
+// asleep ("cold"). Wall medians and minima are in the JSON as well.
 // Ratios are peer time / TileDecode time (> 1: TileDecode is faster). % of ceiling = roofline
 // time (max of compute time at the FP32-FMA + INT8 ceilings and streamed bytes at the measured
 // read bandwidth, ceilings × threads; a layer sums its kernels' rooflines) / measured time.
 
 #include <malloc.h>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -271,7 +274,22 @@ struct Timed {
   std::string name;
   const Runner* runner;
   std::function<void()> prepare;  // thread configuration, outside the timed region
+  std::function<void()> wake;     // wakes the item's worker threads (untimed); empty: none
 };
+
+// Returns once every thread of the pool has started a task (a barrier bounded at 2 ms), so the
+// workers are awake and spinning (ThreadPool::kDefaultSpin) when the timed call follows.
+void wake_pool(td::Executor& ex) {
+  const std::size_t n = ex.concurrency();
+  if (n < 2) return;
+  std::atomic<std::size_t> arrived{0};
+  ex.run(n, [&](std::size_t) {
+    arrived.fetch_add(1);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2);
+    while (arrived.load() < n && std::chrono::steady_clock::now() < until) {
+    }
+  });
+}
 
 // Per-item statistics of the interleaved samples (microseconds).
 struct Stat {
@@ -302,7 +320,11 @@ void write_back_dirty_lines() {
 // `min_reps` rounds and `min_time` seconds per item have passed. Each sample records wall time
 // and the calling thread's CPU time (which, for single-threaded runs, excludes the time the OS
 // gave to other processes on a shared machine). Every sample starts from a clean cache (no dirty
-// lines, see write_back_dirty_lines) after a 0.5 ms pause.
+// lines, see write_back_dirty_lines) after a 0.5 ms pause in which the previous item's threads
+// go to sleep; then the item's own `wake` (if any) wakes its worker threads, untimed. Inside a
+// decode step kernels follow each other and find their threads awake; waking a sleeping thread
+// costs 40-1000 us on this VM (the futex wake of a halted vCPU; measured with ThreadPool), which
+// would otherwise be charged to every multi-threaded sample of both sides.
 std::vector<Stat> measure_interleaved(const std::vector<Timed>& items, double min_time,
                                       int min_reps, int max_reps) {
   using clk = std::chrono::steady_clock;
@@ -319,6 +341,7 @@ std::vector<Stat> measure_interleaved(const std::vector<Timed>& items, double mi
       // Let the previous item's worker threads (OpenBLAS, libgomp: bounded spins, see
       // scripts/peer_compare.sh) go to sleep before this one is timed.
       std::this_thread::sleep_for(std::chrono::microseconds(500));
+      if (items[i].wake) items[i].wake();
       const double p0 = process_cpu_us();
       const double c0 = thread_cpu_us();
       const auto t0 = clk::now();
@@ -348,6 +371,16 @@ const char* env_or(const char* name, const char* fallback) {
   return v ? v : fallback;
 }
 
+// The kernel's transparent-huge-page mode, e.g. "always [madvise] never" → "madvise".
+std::string thp_mode() {
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string line;
+  std::getline(f, line);
+  const auto a = line.find('['), b = line.find(']');
+  return a != std::string::npos && b != std::string::npos && b > a ? line.substr(a + 1, b - a - 1)
+                                                                   : "unknown";
+}
+
 double headline(const Stat& s, int threads) {
   return threads == 1 ? s.cpu_median : s.wall_min;
 }
@@ -369,6 +402,7 @@ struct Row {
   int threads = 1, context = 0, batch = 0;
   double td_us = NAN, peer_us = NAN, golden_us = NAN;
   Stat td_stat, peer_stat;
+  Stat td_cold_stat;  // more than one thread: sampled without waking the pool first
   std::vector<std::pair<std::string, double>> peer_variants;
   double pct = NAN, peer_pct = NAN, rel_err = NAN, rel_err_td_golden = NAN,
          rel_err_peer_golden = NAN;
@@ -478,6 +512,8 @@ int main(int argc, char** argv) {
   std::printf("cpu: %s, %u hardware threads, TileDecode ISA %s\n", cpu_model().c_str(),
               std::thread::hardware_concurrency(), std::string(td::cpu::to_string(isa)).c_str());
   std::printf("blas: %s\n", peer_blas_info().c_str());
+  std::printf("malloc: GLIBC_TUNABLES=%s, transparent huge pages: %s\n",
+              env_or("GLIBC_TUNABLES", "(unset)"), thp_mode().c_str());
   const std::string load_start = loadavg();
   std::printf("load average at start: %s\n", load_start.c_str());
   std::fflush(stdout);
@@ -603,10 +639,18 @@ int main(int argc, char** argv) {
         // runs with ATen's pool at 2 threads and OpenBLAS at 2 or 1 (OpenBLAS's pthreads
         // oversubscribe the cores when ATen calls gemm from inside its own parallel region);
         // the faster configuration counts.
+        // With more than one thread every item wakes its threads before the timed call (see
+        // measure_interleaved); TileDecode is also sampled without (item 1, "cold": the
+        // sleeping worker's wake-up inside the timed call), reported next to it.
         std::vector<Timed> items;
-        items.push_back({"tiledecode", &tdr, [&ctx, &pool1, &pool2, thr] {
-                           ctx.exec = thr == 1 ? static_cast<td::Executor*>(&pool1) : &pool2;
-                         }});
+        const auto use_td_pool = [&ctx, &pool1, &pool2, thr] {
+          ctx.exec = thr == 1 ? static_cast<td::Executor*>(&pool1) : &pool2;
+        };
+        items.push_back({"tiledecode", &tdr, use_td_pool,
+                         thr > 1 ? std::function<void()>([&pool2] { wake_pool(pool2); })
+                                 : std::function<void()>()});
+        if (thr > 1) items.push_back({"tiledecode_cold", &tdr, use_td_pool, {}});
+        const std::size_t first_peer = items.size();
         std::vector<int> blas_threads{thr};
         if (thr > 1) blas_threads.push_back(1);
         for (auto& [name, pr] : peers)
@@ -614,13 +658,17 @@ int main(int argc, char** argv) {
             const std::string label =
                 thr > 1 ? name + "[aten" + std::to_string(thr) + ",blas" + std::to_string(bt) + "]"
                         : name;
-            items.push_back({label, &pr, [thr, bt] { peer_set_threads(thr, bt); }});
+            items.push_back({label, &pr, [thr, bt] { peer_set_threads(thr, bt); },
+                             thr > 1
+                                 ? std::function<void()>([thr, bt] { peer_wake_threads(thr, bt); })
+                                 : std::function<void()>()});
           }
         const std::vector<Stat> st =
             measure_interleaved(items, opt.min_time, p.batch >= 16 ? 2 : 3, 400);
         r.td_stat = st[0];
+        if (thr > 1) r.td_cold_stat = st[1];
         r.td_us = headline(st[0], thr);
-        for (std::size_t i = 1; i < items.size(); ++i) {
+        for (std::size_t i = first_peer; i < items.size(); ++i) {
           const double us = headline(st[i], thr);
           r.peer_variants.emplace_back(items[i].name, us);
           if (!(us >= r.peer_us)) {
@@ -632,7 +680,8 @@ int main(int argc, char** argv) {
         ctx.exec = &pool1;
         peer_set_threads(1, 1);
         if (gold && thr == 1)
-          r.golden_us = measure_interleaved({{"golden", &gold, [] {}}}, 0.0, 1, 1)[0].cpu_median;
+          r.golden_us =
+              measure_interleaved({{"golden", &gold, [] {}, {}}}, 0.0, 1, 1)[0].cpu_median;
         const double roof_us = roofline_s(cost, ce, thr) * 1e6;
         r.pct = 100.0 * roof_us / r.td_us;
         r.peer_pct = 100.0 * roof_us / r.peer_us;
@@ -652,8 +701,8 @@ int main(int argc, char** argv) {
   // Bars at B=4, S=2, 8k (spec of the comparison): single-thread ratio to the peer, and the
   // 1 → 2 thread scaling of TileDecode.
   std::printf("\nbars at B=4, S=2, context 8k:\n");
-  std::printf("%-17s %10s %6s %8s %10s %6s %s\n", "kernel", "x_peer(1t)", "bar", "", "2t/1t", "bar",
-              "");
+  std::printf("%-17s %10s %6s %8s %10s %6s %6s %s\n", "kernel", "x_peer(1t)", "bar", "", "2t/1t",
+              "bar", "", "2t/1t cold");
   for (const KernelDef& k : defs) {
     const Row* r1 = nullptr;
     const Row* r2 = nullptr;
@@ -671,9 +720,10 @@ int main(int argc, char** argv) {
     const bool scale_bar = k.name == "indexer" || k.name.rfind("attn_", 0) == 0;
     // As docs/performance.md (bench/report): minimum wall time at 1 thread / at 2 threads.
     const double sc = r2 ? r1->td_stat.wall_min / r2->td_stat.wall_min : NAN;
-    std::printf("%-17s %9.2fx %5.2fx %8s %9.2fx %6s %s\n", k.name.c_str(), x, bar,
+    const double sc_cold = r2 ? r1->td_stat.wall_min / r2->td_cold_stat.wall_min : NAN;
+    std::printf("%-17s %9.2fx %5.2fx %8s %9.2fx %6s %6s %9.2fx\n", k.name.c_str(), x, bar,
                 x >= bar ? "ok" : "MISS", sc, scale_bar ? "1.80x" : "-",
-                scale_bar ? (sc >= 1.8 ? "ok" : "MISS") : "");
+                scale_bar ? (sc >= 1.8 ? "ok" : "MISS") : "", sc_cold);
   }
 
   if (!opt.json.empty()) {
@@ -686,7 +736,9 @@ int main(int argc, char** argv) {
     f << "  \"peer\": {\"aten\": " << json_str(peer_version())
       << ", \"blas\": " << json_str(peer_blas_info())
       << ", \"openblas_thread_timeout\": " << json_str(env_or("OPENBLAS_THREAD_TIMEOUT", "default"))
-      << ", \"gomp_spincount\": " << json_str(env_or("GOMP_SPINCOUNT", "default")) << "},\n";
+      << ", \"gomp_spincount\": " << json_str(env_or("GOMP_SPINCOUNT", "default"))
+      << ", \"glibc_tunables\": " << json_str(env_or("GLIBC_TUNABLES", "default"))
+      << ", \"thp\": " << json_str(thp_mode()) << "},\n";
     f << "  \"ceilings\": {\"fp32_fma_gflops\": " << json_num(ce.fma_gflops)
       << ", \"int8_gops\": " << json_num(ce.int8_gops) << ", \"read_gbps_1\": " << json_num(ce.bw1)
       << ", \"read_gbps_2\": " << json_num(ce.bw2)
@@ -715,6 +767,8 @@ int main(int argc, char** argv) {
         << ", \"tiledecode_wall_median_us\": " << json_num(r.td_stat.wall_median)
         << ", \"tiledecode_wall_min_us\": " << json_num(r.td_stat.wall_min)
         << ", \"tiledecode_cpu_median_us\": " << json_num(r.td_stat.cpu_median)
+        << ", \"tiledecode_cold_wall_min_us\": " << json_num(r.td_cold_stat.wall_min)
+        << ", \"tiledecode_cold_wall_median_us\": " << json_num(r.td_cold_stat.wall_median)
         << ", \"peer_wall_median_us\": " << json_num(r.peer_stat.wall_median)
         << ", \"peer_wall_min_us\": " << json_num(r.peer_stat.wall_min)
         << ", \"peer_cpu_median_us\": " << json_num(r.peer_stat.cpu_median)
