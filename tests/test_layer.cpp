@@ -48,7 +48,8 @@ struct HcFixture {
   td::Tensor<float, 3> x_hc{{T, 4, cfg.hidden}};
   td::Tensor<float, 2> fn{{td::kHcMixes, 4 * cfg.hidden}};
   td::Tensor<float, 1> scale{{3}}, base{{td::kHcMixes}};
-  explicit HcFixture(std::uint64_t seed) {
+  explicit HcFixture(std::uint64_t seed, index_t tokens = 8)
+      : T(tokens), x_hc({tokens, 4, cfg.hidden}) {
     tdtest::Rng rng(seed);
     rng.fill_normal(x_hc.flat(), 1.0f);
     rng.fill_normal(fn.flat(), 1.0f / 128.0f);
@@ -80,6 +81,32 @@ TEST(HyperConnection, PreMatchesGoldenBothIsas) {
     EXPECT_TRUE(tdtest::ratio_allclose(floats(post), floats(post_g), 1e-5, 1e-4, 0.0));
     EXPECT_TRUE(tdtest::ratio_allclose(floats(comb), floats(comb_g), 1e-5, 1e-4, 0.0));
   }
+}
+
+// The AVX2 mix pass runs register tiles of 3 rows × 2 tokens (and 3 × 1 for an odd token
+// count); each mix must equal, bit for bit, the single dot_f32_f64 of its row and token, which
+// the RMS pass and earlier versions use. T = 5 covers the odd tail.
+TEST(HyperConnection, MixTilesBitIdenticalToSingleDots) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx2)) GTEST_SKIP() << "no AVX2";
+#if TILEDECODE_X86
+  HcFixture f(12, 5);
+  const index_t T = f.T, D = f.cfg.hidden, n = 4 * D;
+  td::ThreadPool pool(2);
+  td::cpu::Context ctx{&pool, td::cpu::Isa::avx2};
+  td::Tensor<bf16, 2> xm({T, D});
+  td::Tensor<float, 2> post({T, 4});
+  td::Tensor<double, 2> mixes({T, td::kHcMixes});
+  td::Tensor<float, 3> comb({T, 4, 4});
+  td::kernels::hc_pre(ctx, xm.view(), post.view(), comb.view(), f.x_hc.view(), f.weights(),
+                      mixes.view(), f.cfg);
+  int differ = 0;
+  for (index_t t = 0; t < T; ++t)
+    for (int j = 0; j < td::kHcMixes; ++j) {
+      const double want = td::cpu::avx2::dot_f32_f64(f.fn.data() + j * n, f.x_hc.data() + t * n, n);
+      differ += std::memcmp(&want, &mixes.view()(t, j), sizeof(double)) != 0;
+    }
+  EXPECT_EQ(differ, 0);
+#endif
 }
 
 TEST(HyperConnection, SinkhornCombIsDoublyStochastic) {

@@ -198,6 +198,45 @@ TILEDECODE_TARGET_AVX2 inline double dot_f32_f64(const float* a, const float* b,
   return s;
 }
 
+// sums[r * NT + t] = dot_f32_f64(w + r * ld_w, x + t * ld_x, n) for r < NR, t < NT, bit for bit
+// (the same two 4-lane accumulators per pair, the same final sum). One dot alone is bound by the
+// FMA latency (two dependent chains) and converts both operands; the NR × NT tile runs 2·NR·NT
+// chains and converts each 8-value slice of a row or token once for NT (or NR) dots.
+template <int NR, int NT>
+TILEDECODE_TARGET_AVX2 inline void dot_f32_f64_tile(double* sums, const float* w, std::int64_t ld_w,
+                                                    const float* x, std::int64_t ld_x,
+                                                    std::int64_t n) {
+  __m256d s0[NR][NT], s1[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) s0[r][t] = s1[r][t] = _mm256_setzero_pd();
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256d wl[NR], wh[NR];
+    for (int r = 0; r < NR; ++r) {
+      const __m256 v = _mm256_loadu_ps(w + r * ld_w + i);
+      wl[r] = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+      wh[r] = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m256 v = _mm256_loadu_ps(x + t * ld_x + i);
+      const __m256d xl = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+      const __m256d xh = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+      for (int r = 0; r < NR; ++r) {
+        s0[r][t] = _mm256_fmadd_pd(wl[r], xl, s0[r][t]);
+        s1[r][t] = _mm256_fmadd_pd(wh[r], xh, s1[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) {
+      alignas(32) double l[4];
+      _mm256_store_pd(l, _mm256_add_pd(s0[r][t], s1[r][t]));
+      double s = (l[0] + l[1]) + (l[2] + l[3]);
+      for (std::int64_t k = i; k < n; ++k) s += double(w[r * ld_w + k]) * double(x[t * ld_x + k]);
+      sums[r * NT + t] = s;
+    }
+}
+
 // y[o, i] = a[i] * post[o] + Σ_s x[s, i] * comb[s, o] for 4 output streams (hc_post), FP32.
 // The sum runs a·post first, then s = 0..3, matching the scalar path.
 TILEDECODE_TARGET_AVX2 inline void hc_post_row(float* y, std::int64_t y_ld, const bf16* a,

@@ -116,6 +116,18 @@ TILEDECODE_TARGET_AVX2_VNNI inline void oproj_b_tile(std::int32_t* p, std::int64
       acc[t][1] = dpbusd(acc[t][1], w1, av);
     }
   }
+  if constexpr (NT == 4) {
+    if (ldp == 2) {  // p is 8 consecutive int32 (t-major, c-minor): one reduction, one store
+      const __m256i v[8] = {acc[0][0], acc[0][1], acc[1][0], acc[1][1],
+                            acc[2][0], acc[2][1], acc[3][0], acc[3][1]};
+      const std::int32_t b0 = 128 * a_sum[0], b1 = 128 * a_sum[ld_sum];
+      const std::int32_t b2 = 128 * a_sum[2 * ld_sum], b3 = 128 * a_sum[3 * ld_sum];
+      const __m256i bias = _mm256_setr_epi32(b0, b0, b1, b1, b2, b2, b3, b3);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                          _mm256_sub_epi32(avx2::hsum8_epi32(v), bias));
+      return;
+    }
+  }
   for (int t = 0; t < NT; ++t) {
     const std::int32_t bias = 128 * a_sum[t * ld_sum];
     p[t * ldp] = avx2::hsum_epi32(acc[t][0]) - bias;
