@@ -61,6 +61,19 @@ struct HcFixture {
   td::HcWeights weights() const { return {fn.view(), scale.view(), base.view()}; }
 };
 
+// hc_pre's outputs and its mix scratch for one fixture.
+struct HcPreOut {
+  td::Tensor<bf16, 2> xm;
+  td::Tensor<float, 2> post;
+  td::Tensor<double, 2> mixes;
+  td::Tensor<float, 3> comb;
+  HcPreOut(const HcFixture& f, const td::cpu::Context& ctx)
+      : xm({f.T, f.cfg.hidden}), post({f.T, 4}), mixes({f.T, td::kHcMixes}), comb({f.T, 4, 4}) {
+    td::kernels::hc_pre(ctx, xm.view(), post.view(), comb.view(), f.x_hc.view(), f.weights(),
+                        mixes.view(), f.cfg);
+  }
+};
+
 TEST(HyperConnection, PreMatchesGoldenBothIsas) {
   HcFixture f(11);
   const index_t T = f.T, D = f.cfg.hidden;
@@ -70,16 +83,10 @@ TEST(HyperConnection, PreMatchesGoldenBothIsas) {
   td::golden::hc_pre(xm_g.view(), post_g.view(), comb_g.view(), f.x_hc.view(), f.weights(), f.cfg);
   for (auto isa : isas()) {
     td::ThreadPool pool(2);
-    td::cpu::Context ctx{&pool, isa};
-    td::Tensor<bf16, 2> xm({T, D});
-    td::Tensor<float, 2> post({T, 4});
-    td::Tensor<double, 2> mixes({T, td::kHcMixes});
-    td::Tensor<float, 3> comb({T, 4, 4});
-    td::kernels::hc_pre(ctx, xm.view(), post.view(), comb.view(), f.x_hc.view(), f.weights(),
-                        mixes.view(), f.cfg);
-    EXPECT_TRUE(tdtest::ratio_allclose(floats(xm), floats(xm_g), 1e-4, 1.0 / 128, 0.0));
-    EXPECT_TRUE(tdtest::ratio_allclose(floats(post), floats(post_g), 1e-5, 1e-4, 0.0));
-    EXPECT_TRUE(tdtest::ratio_allclose(floats(comb), floats(comb_g), 1e-5, 1e-4, 0.0));
+    const HcPreOut o(f, td::cpu::Context{&pool, isa});
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(o.xm), floats(xm_g), 1e-4, 1.0 / 128, 0.0));
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(o.post), floats(post_g), 1e-5, 1e-4, 0.0));
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(o.comb), floats(comb_g), 1e-5, 1e-4, 0.0));
   }
 }
 
@@ -90,20 +97,14 @@ TEST(HyperConnection, MixTilesBitIdenticalToSingleDots) {
   if (!td::cpu::cpu_supports(td::cpu::Isa::avx2)) GTEST_SKIP() << "no AVX2";
 #if TILEDECODE_X86
   HcFixture f(12, 5);
-  const index_t T = f.T, D = f.cfg.hidden, n = 4 * D;
+  const index_t T = f.T, n = 4 * f.cfg.hidden;
   td::ThreadPool pool(2);
-  td::cpu::Context ctx{&pool, td::cpu::Isa::avx2};
-  td::Tensor<bf16, 2> xm({T, D});
-  td::Tensor<float, 2> post({T, 4});
-  td::Tensor<double, 2> mixes({T, td::kHcMixes});
-  td::Tensor<float, 3> comb({T, 4, 4});
-  td::kernels::hc_pre(ctx, xm.view(), post.view(), comb.view(), f.x_hc.view(), f.weights(),
-                      mixes.view(), f.cfg);
+  HcPreOut o(f, td::cpu::Context{&pool, td::cpu::Isa::avx2});
   int differ = 0;
   for (index_t t = 0; t < T; ++t)
     for (int j = 0; j < td::kHcMixes; ++j) {
       const double want = td::cpu::avx2::dot_f32_f64(f.fn.data() + j * n, f.x_hc.data() + t * n, n);
-      differ += std::memcmp(&want, &mixes.view()(t, j), sizeof(double)) != 0;
+      differ += std::memcmp(&want, &o.mixes.view()(t, j), sizeof(double)) != 0;
     }
   EXPECT_EQ(differ, 0);
 #endif
