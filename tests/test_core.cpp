@@ -112,6 +112,43 @@ TEST(Q8, RandomRowsMatchFormulaAndStayInRange) {
   }
 }
 
+// The AVX2 quantiser (o-proj activations, q-latent, indexer queries) against core quantize_q8,
+// bit for bit: random rows of several lengths, rows below the amax floor, rows whose products
+// land on .5 ties (round half to even), and rows with a NaN (amax ignores it; its own q is
+// unspecified, so only the other entries are compared).
+TEST(Q8, Avx2MatchesScalarBitForBit) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx2)) GTEST_SKIP() << "no AVX2";
+#if TILEDECODE_X86
+  tdtest::Rng rng(8);
+  for (int n : {32, 128, 1024}) {
+    for (int r = 0; r < 40; ++r) {
+      std::vector<float> x(std::size_t(n), 0.0f);
+      if (r % 4 == 0) {
+        rng.fill_normal(x, 1e-6f);  // amax below the 1e-4 floor
+      } else if (r % 4 == 1) {
+        // amax = 127 → sq = 1: every x_i + 0.5 is a tie for nearbyint.
+        for (int i = 0; i < n; ++i)
+          x[std::size_t(i)] = float(i % 254 - 127) + (i % 3 ? 0.5f : 0.0f);
+        x[0] = 127.0f;
+      } else {
+        rng.fill_normal(x, r % 4 == 2 ? 3.0f : 1e3f);
+      }
+      const bool with_nan = r % 5 == 4;
+      if (with_nan) x[std::size_t(n / 2)] = std::numeric_limits<float>::quiet_NaN();
+      const auto len = static_cast<std::size_t>(n);
+      std::vector<std::int8_t> q_ref(len), q(len);
+      const float dq_ref = td::quantize_q8(q_ref, x);
+      const float dq = td::cpu::avx2::quantize_q8_avx2(q.data(), x.data(), n);
+      EXPECT_EQ(std::bit_cast<std::uint32_t>(dq), std::bit_cast<std::uint32_t>(dq_ref));
+      for (int i = 0; i < n; ++i) {
+        if (with_nan && i == n / 2) continue;
+        ASSERT_EQ(q[std::size_t(i)], q_ref[std::size_t(i)]) << i;
+      }
+    }
+  }
+#endif
+}
+
 TEST(View, RowMajorIndexingSliceRow) {
   std::vector<int> v(2 * 3 * 4);
   std::iota(v.begin(), v.end(), 0);

@@ -201,8 +201,15 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
     float* cq = s.cq.data() + t * s.cq.stride(0);
     rmsnorm_row_f64(cq, w.gamma_cq.data(), QL, cfg.rms_eps, ctx.isa);
     std::int8_t* qrt = qr.data() + t * qr.stride(0);
-    qr_scale(t) = quantize_q8(std::span<std::int8_t>(qrt, std::size_t(QL)),
-                              std::span<const float>(cq, std::size_t(QL)));
+#if TILEDECODE_X86
+    if (avx2 && QL % 32 == 0) {
+      qr_scale(t) = cpu::avx2::quantize_q8_avx2(qrt, cq, QL);
+    } else
+#endif
+    {
+      qr_scale(t) = quantize_q8(std::span<std::int8_t>(qrt, std::size_t(QL)),
+                                std::span<const float>(cq, std::size_t(QL)));
+    }
     if (vnni) {
       std::int32_t sum = 0;
       for (index_t k = 0; k < QL; ++k) sum += qrt[k];

@@ -31,6 +31,9 @@ namespace tiledecode::cpu::avx2 {
 // up to 512 bytes — with 64-column tiles every row of a 2 KB-stride matrix touched a new page
 // every two rows and the prefetchers could not follow (measured 2 GB/s instead of 6).
 inline constexpr std::int64_t kBf16Ahead = 16;  // rows of software prefetch distance
+// Weight rows per pass over the L1 tile: each token's accumulator vector is loaded and stored
+// once per kBf16Rows FMAs.
+inline constexpr int kBf16Rows = 8;
 
 TILEDECODE_TARGET_AVX2 inline void matmul_bf16_axpy(float* dst, std::int64_t dst_ld, const float* x,
                                                     std::int64_t x_ld, int T, const bf16* w,
@@ -44,28 +47,26 @@ TILEDECODE_TARGET_AVX2 inline void matmul_bf16_axpy(float* dst, std::int64_t dst
       for (std::int64_t n = 0; n < width; n += 8)
         _mm256_store_ps(acc + t * kLd + n, _mm256_setzero_ps());
     std::int64_t k = 0;
-    for (; k + 4 <= K; k += 4) {
+    for (; k + kBf16Rows <= K; k += kBf16Rows) {
       const bf16* w0 = w + k * w_ld + c0;
       // Software prefetch kBf16Ahead rows ahead, one line per row every 32 columns: the row
       // segments are w_ld apart, so the hardware prefetchers see short runs only.
-      const bool ahead = k + kBf16Ahead + 4 <= K;
+      const bool ahead = k + kBf16Ahead + kBf16Rows <= K;
       for (std::int64_t n = 0; n < width; n += 8) {
         if (ahead && (n & 31) == 0) {
           const bf16* pf = w0 + kBf16Ahead * w_ld + n;
-          for (int r = 0; r < 4; ++r)
+          for (int r = 0; r < kBf16Rows; ++r)
             _mm_prefetch(reinterpret_cast<const char*>(pf + r * w_ld), _MM_HINT_T0);
         }
-        // (4 rows, 8 columns) of weights, widened once and reused by every token.
-        const __m256 a0 = load_bf16x8(w0 + n), a1 = load_bf16x8(w0 + w_ld + n);
-        const __m256 a2 = load_bf16x8(w0 + 2 * w_ld + n), a3 = load_bf16x8(w0 + 3 * w_ld + n);
+        // (kBf16Rows rows, 8 columns) of weights, widened once and reused by every token.
+        __m256 a[kBf16Rows];
+        for (int r = 0; r < kBf16Rows; ++r) a[r] = load_bf16x8(w0 + r * w_ld + n);
         for (int t = 0; t < T; ++t) {
           const float* xt = x + t * x_ld + k;
           float* d = acc + t * kLd + n;
           __m256 s = _mm256_load_ps(d);
-          s = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 0), a0, s);
-          s = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 1), a1, s);
-          s = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 2), a2, s);
-          s = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 3), a3, s);
+          for (int r = 0; r < kBf16Rows; ++r)
+            s = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + r), a[r], s);
           _mm256_store_ps(d, s);
         }
       }

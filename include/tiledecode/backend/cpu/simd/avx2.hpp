@@ -77,5 +77,38 @@ TILEDECODE_TARGET_AVX2 inline __m256i dot_i8x32(__m256i acc, __m256i x, __m256i 
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
 
+// Q8 of one row of n values, n a multiple of 32 (spec §2), bit-identical to core quantize_q8:
+// amax ignores NaN like fmax, x * sq rounded half to even (MXCSR default, as nearbyint) and
+// clamped to [-127, 127]. Returns dq = 1 / (127 / amax). The scalar twin calls fmax/fmin per
+// element (library calls without -ffast-math); this is one pass for amax and one for q.
+TILEDECODE_TARGET_AVX2 inline float quantize_q8_avx2(std::int8_t* q, const float* x,
+                                                     std::int64_t n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  // max_ps returns its second operand when either is NaN: keep the running max second.
+  for (std::int64_t d = 0; d < n; d += 8)
+    m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + d), abs_mask), m);
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  float amax = _mm_cvtss_f32(m4);
+  amax = amax > 1e-4f ? amax : 1e-4f;
+  const float sq = 127.0f / amax;
+  const __m256 sv = _mm256_set1_ps(sq);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (std::int64_t d = 0; d < n; d += 32) {
+    __m256i v[4];
+    for (int u = 0; u < 4; ++u) {
+      v[u] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + d + 8 * u), sv));
+      v[u] = _mm256_min_epi32(_mm256_max_epi32(v[u], lo), hi);
+    }
+    const __m256i p =
+        _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + d), _mm256_permutevar8x32_epi32(p, perm));
+  }
+  return 1.0f / sq;
+}
+
 }  // namespace tiledecode::cpu::avx2
 #endif
