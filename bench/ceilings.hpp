@@ -408,8 +408,8 @@ double int8_vnni_gops() {
 }
 
 // The INT8 ceiling of the instructions a kernel running with `isa` may use: the AVX2 mixes, and
-// vpdpbusd on Isa::avx2_vnni. The kernels whose INT8 part has no VNNI path (o-proj's wo_b, the
-// q/kv and indexer-query GEMMs) are measured against int8_gops(): their own instruction set.
+// vpdpbusd on Isa::avx2_vnni (the tier of the indexer score and query GEMM, o-proj's wo_b and the
+// q/kv wq_b matmul VNNI paths); int8_gops() is the AVX2-only ceiling.
 template <bool kCpuTime = false>
 double int8_ceiling_gops(tiledecode::cpu::Isa isa) {
   const double avx2 = int8_best_gops<kCpuTime>();

@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
@@ -562,6 +563,98 @@ TEST(IndexerQuery, ProPresetQLora1536AndTopk1024) {
   td::Tensor<float, 2> got({sc.T(), 4096});
   run_score(ctx, sc, got);
   expect_matches_golden(sc, got, want, ctx);  // top-k with k = cfg.idx_topk = 1024
+}
+
+// The avx2_vnni query GEMM (vpdpbusd on the offset weights) against the avx2 tier (vpmaddwd on
+// int16-widened operands): both integer dots are exact, so q_i8 and q_sc must match bit for bit.
+// Shapes: the flash preset (token tiles 4 + 4 and 4 + 3), Q_LORA = 130 (K % 4 == 2: the last
+// pair row alone, and the i8_sum tail) and Q_LORA = 4096 (the INT32 bound's limit).
+struct QueryTierShape {
+  int q_lora, heads;
+  index_t T;
+};
+constexpr QueryTierShape kQueryTierShapes[] = {
+    {1024, 64, 8}, {1024, 64, 7}, {130, 16, 5}, {4096, 16, 4}};
+
+QueryCase make_query_tier_case(const QueryTierShape& sh, std::uint64_t seed) {
+  auto c = make_query_case(sh.T, true, seed);
+  c.cfg.q_lora = sh.q_lora;
+  c.cfg.idx_n_heads = sh.heads;
+  c.qr = td::Tensor<std::int8_t, 2>({sh.T, sh.q_lora});
+  c.wq_b = td::Tensor<std::int8_t, 2>({sh.q_lora, index_t(sh.heads) * 128});
+  c.wq_scale = td::Tensor<float, 1>({index_t(sh.heads) * 128});
+  tdtest::Rng rng(seed + 1);
+  for (auto& v : c.qr.flat()) v = std::int8_t(rng.integer(-128, 127));
+  for (auto& v : c.wq_b.flat()) v = std::int8_t(rng.integer(-128, 127));
+  rng.fill_uniform(c.wq_scale.flat(), 0.0005f, 0.002f);
+  return c;
+}
+
+// Runs the avx2 and avx2_vnni tiers (1 and 3 threads) and memcmp's q_i8 and q_sc.
+void expect_vnni_query_matches_avx2(const QueryCase& c, const std::string& what) {
+  SCOPED_TRACE(what);
+  const index_t T = c.T, H = c.cfg.idx_n_heads;
+  const auto packed =
+      kn::pack_indexer_query_weights(c.cfg, c.wq_b.view(), c.wq_scale.view(), c.hadamard.view());
+  const auto run = [&](td::cpu::Isa isa, std::size_t threads) {
+    td::ThreadPool pool(threads);
+    td::cpu::Context ctx{&pool, isa};
+    std::pair<td::Tensor<std::int8_t, 3>, td::Tensor<float, 2>> out{
+        td::Tensor<std::int8_t, 3>({T, H, 128}), td::Tensor<float, 2>({T, H})};
+    kn::indexer_query(ctx, c.cfg, out.first.view(), out.second.view(), c.qr.view(),
+                      c.qr_scale.view(), packed, c.rope_pos.view(), c.rope.view());
+    return out;
+  };
+  const auto want = run(td::cpu::Isa::avx2, 1);
+  for (std::size_t threads : {1, 3}) {
+    const auto got = run(td::cpu::Isa::avx2_vnni, threads);
+    ASSERT_EQ(std::memcmp(got.first.data(), want.first.data(), std::size_t(T * H * 128)), 0)
+        << "q_i8, threads " << threads;
+    ASSERT_EQ(
+        std::memcmp(got.second.data(), want.second.data(), sizeof(float) * std::size_t(T * H)), 0)
+        << "q_sc, threads " << threads;
+  }
+}
+
+TEST(IndexerQuery, VnniTierBitIdenticalToAvx2) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  std::uint64_t seed = 40;
+  for (const auto& sh : kQueryTierShapes) {
+    auto c = make_query_tier_case(sh, seed++);
+    expect_vnni_query_matches_avx2(
+        c, "random, q_lora " + std::to_string(sh.q_lora) + " T " + std::to_string(sh.T));
+    c.hadamard = td::Tensor<td::bf16, 2>({128, 128});  // the dense-rotation epilogue
+    tdtest::Rng rng(seed++);
+    for (auto& v : c.hadamard.flat()) v = td::bf16(rng.uniform() / std::sqrt(128.0f));
+    expect_vnni_query_matches_avx2(c, "random rotation, q_lora " + std::to_string(sh.q_lora));
+  }
+}
+
+TEST(IndexerQuery, VnniTierExactAtTheInt8Extremes) {
+  // qr = -128 everywhere (the offset's start value -128 Σ qr at its largest, 2^14 K) against
+  // weights -128 (offset to 0), 127 (offset to 255) and a -128 / 127 mix; plus qr = 127 and a
+  // mixed qr. At Q_LORA = 4096 the dots reach 2^26 = 128 · 128 · 4096.
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  const auto mix = [](index_t i, index_t j) {
+    return std::int8_t((i * 7 + j * 3) % 5 < 2 ? -128 : 127);
+  };
+  for (const auto& sh : kQueryTierShapes) {
+    auto c = make_query_tier_case(sh, 60);
+    const auto N = index_t(sh.heads) * 128;
+    for (int qv : {-128, 127, 0}) {    // 0: the mixed qr
+      for (int wv : {-128, 127, 0}) {  // 0: the mixed weights
+        for (index_t t = 0; t < sh.T; ++t)
+          for (index_t k = 0; k < sh.q_lora; ++k)
+            c.qr.view()(t, k) = qv != 0 ? std::int8_t(qv) : mix(t, k);
+        for (index_t k = 0; k < sh.q_lora; ++k)
+          for (index_t n = 0; n < N; ++n)
+            c.wq_b.view()(k, n) = wv != 0 ? std::int8_t(wv) : mix(k, n);
+        expect_vnni_query_matches_avx2(c, "q_lora " + std::to_string(sh.q_lora) + " T " +
+                                              std::to_string(sh.T) + " qr " + std::to_string(qv) +
+                                              " w " + std::to_string(wv));
+      }
+    }
+  }
 }
 
 TEST(IndexerWeights, MatchesGoldenAndHandlesZeroWeights) {

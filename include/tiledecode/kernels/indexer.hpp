@@ -1,7 +1,8 @@
 #pragma once
 // Lightning indexer (spec §7), CPU fast path: query path, head weights, fused score, top-k.
-// The algorithm is written once here against views; the AVX2 micro-kernels live in
-// backend/cpu/indexer_avx2.hpp and are chosen by ctx.isa (the caller's single dispatch point).
+// The algorithm is written once here against views; the AVX2 micro-kernels (and the AVX-VNNI
+// score and query-GEMM kernels of Isa::avx2_vnni) live in backend/cpu/indexer_avx2.hpp and are
+// chosen by ctx.isa (the caller's single dispatch point).
 // The scalar twins below perform the same floating-point operations in the same order, so the
 // scalar and AVX2 paths are bit-identical, and every output element is produced by exactly one
 // task with a fixed order, so results are bit-identical for any thread count.
@@ -26,6 +27,8 @@
 //    the output row are written (-1 padding), also when NaN leaves fewer than min(k, vis) winners.
 //  * INT8 dot: int16 widening + vpmaddwd, exact for all int8 inputs including -128 (see
 //    indexer_avx2.hpp for the choice and the INT32 bounds); no clamping or validation of values.
+//    On Isa::avx2_vnni the score and the query GEMM run on vpdpbusd with one operand offset to u8
+//    and the offset undone exactly (same integers, so outputs are bit-identical to avx2).
 
 #include <algorithm>
 #include <bit>
@@ -51,7 +54,8 @@ namespace tiledecode::kernels {
 // Fixed tile limits of this implementation (stack tiles, no allocation on the hot path).
 inline constexpr int kIndexerHeadDim = 128;    // idx_head_dim (the micro-kernels' row width)
 inline constexpr int kIndexerMaxHeads = 64;    // idx_n_heads, a multiple of 16
-inline constexpr int kIndexerMaxQLora = 4096;  // q_lora, even (INT32 bound needs < 2^17)
+inline constexpr int kIndexerMaxQLora = 4096;  // q_lora, even (INT32 bounds: avx2 < 2^17,
+                                               // avx2_vnni <= 43804; indexer_avx2.hpp)
 
 // Visible compressed rows of a token (spec §7.2): min(kv_len // 4, (pos + 1) // 4, score_len).
 inline int indexer_visible_rows(const ModelConfig& cfg, int pos, int kv_len) {
@@ -231,12 +235,22 @@ inline void query_head_scalar(std::int32_t* out, const std::int16_t* a16, index_
 }
 
 #if TILEDECODE_X86
+// One token tile of one head on the vector tiers: the INT32 GEMM (avx2: int16-widened a16 on
+// vpmaddwd; avx2_vnni: the INT8 rows a8 (row stride lda) on vpdpbusd, the same exact integers),
+// then the shared epilogue.
 template <int TT>
-inline void query_tile_avx2(std::int32_t* acc, float* x, float* qh, const std::int16_t* a16,
-                            index_t K, const std::int8_t* wpk, const float* qs, const float* ws,
+inline void query_tile_avx2(bool vnni, std::int32_t* acc, float* x, float* qh,
+                            const std::int16_t* a16, const std::int8_t* a8, index_t lda, index_t K,
+                            const std::int8_t* wpk, const float* qs, const float* ws,
                             const float* rc, const float* rs, const IndexerQueryWeights& wq,
                             std::int8_t* const* q_out, float* const* sc_out) {
-  cpu::avx2::query_head_tile<TT>(acc, a16, K, wpk);
+  if (vnni) {
+    std::int32_t a_sum[TT];
+    for (int tt = 0; tt < TT; ++tt) a_sum[tt] = cpu::avx2_vnni::i8_sum(a8 + tt * lda, K);
+    cpu::avx2_vnni::query_head_tile<TT>(acc, a8, lda, a_sum, K, wpk);
+  } else {
+    cpu::avx2::query_head_tile<TT>(acc, a16, K, wpk);
+  }
   for (int tt = 0; tt < TT; ++tt)
     cpu::avx2::query_dequant_rope(x + tt * 128, acc + tt * 128, qs[tt], ws, rc + tt * 64,
                                   rs + tt * 64);
@@ -304,6 +318,10 @@ inline IndexerQueryWeights pack_indexer_query_weights(const ModelConfig& cfg,
 // Shapes: q_i8 (T, heads, 128) INT8, q_sc (T, heads) FP32, qr (T, Q_LORA) INT8 (any value,
 // -128 included), qr_scale (T) FP32, rope_pos (T) INT32 in [0, rope.length()); rope: the
 // layer's table (CSA: compress_rope_theta + YaRN). Parallel over heads, token tiles of 4.
+// The INT32 GEMM per (head, tile): avx2 widens the tile's qr rows to int16 (vpmaddwd);
+// avx2_vnni reads the INT8 rows in place and runs vpdpbusd on the same packed weights, offset
+// to u8 in registers, with accumulators starting at -128·Σ_k qr[t][k] (exactness bound at
+// cpu::avx2_vnni::query_head_tile): no extra packed memory, bit-identical outputs.
 inline void indexer_query(const cpu::Context& ctx, const ModelConfig& cfg,
                           View<std::int8_t, 3> q_i8, View<float, 2> q_sc,
                           ConstView<std::int8_t, 2> qr, ConstView<float, 1> qr_scale,
@@ -334,6 +352,10 @@ inline void indexer_query(const cpu::Context& ctx, const ModelConfig& cfg,
                          rope.length());
   }
   const cpu::Isa isa = cpu::checked_isa(ctx.isa);
+  // avx2_vnni: the GEMM reads qr's INT8 rows directly (no per-head int16 widening).
+  static_assert(std::int64_t{kIndexerMaxQLora} * (128 * 128 + 255 * 128) < (std::int64_t{1} << 31),
+                "the avx2_vnni query GEMM's INT32 bound (cpu::avx2_vnni::query_head_tile)");
+  const bool vnni = isa == cpu::Isa::avx2_vnni;
   constexpr int TT = 4;  // token tile: 4 tokens × 16 columns = 8 INT32 accumulators
   ctx.parallel_for(0, H, 1, [&](std::int64_t h) {
     alignas(32) std::int16_t a16[TT * kIndexerMaxQLora];
@@ -348,7 +370,8 @@ inline void indexer_query(const cpu::Context& ctx, const ModelConfig& cfg,
       const int nt = int(std::min<index_t>(TT, T - t0));
       for (int tt = 0; tt < nt; ++tt) {
         const index_t t = t0 + tt;
-        for (index_t k = 0; k < K; ++k) a16[tt * K + k] = qr(t, k);
+        if (!vnni)
+          for (index_t k = 0; k < K; ++k) a16[tt * K + k] = qr(t, k);
         const bf16* c = rope.cos_row(rope_pos(t));
         const bf16* s = rope.sin_row(rope_pos(t));
         for (int i = 0; i < 32; ++i) {
@@ -363,7 +386,8 @@ inline void indexer_query(const cpu::Context& ctx, const ModelConfig& cfg,
 #if TILEDECODE_X86
       if (cpu::has_avx2(isa)) {
         const auto tile = [&]<int N>() {
-          detail::query_tile_avx2<N>(acc, x, qh, a16, K, wpk, qs, ws, rc, rs, wq, q_out, sc_out);
+          detail::query_tile_avx2<N>(vnni, acc, x, qh, a16, &qr(t0, 0), qr.stride(0), K, wpk, qs,
+                                     ws, rc, rs, wq, q_out, sc_out);
         };
         switch (nt) {
           case 4:

@@ -1,9 +1,9 @@
 #pragma once
-// AVX2 + FMA micro-kernels of the lightning indexer (spec §7), and the AVX-VNNI score kernel of
-// Isa::avx2_vnni (end of file). Reached only through kernels/indexer.hpp after the caller chose
-// the ISA; every function here has a scalar twin
-// in kernels/indexer.hpp that performs the same floating-point operations in the same order, so
-// the two paths produce bit-identical outputs.
+// AVX2 + FMA micro-kernels of the lightning indexer (spec §7), and the AVX-VNNI score and query
+// GEMM kernels of Isa::avx2_vnni (end of file). Reached only through kernels/indexer.hpp after the
+// caller chose the ISA; every function here has a scalar twin in kernels/indexer.hpp that performs
+// the same floating-point operations in the same order, so the two paths produce bit-identical
+// outputs.
 //
 // INT8 dot choice: both operands are widened to int16 and multiplied with vpmaddwd (16 MACs per
 // instruction, pairs summed into int32 lanes). This is exact for every int8 input, -128
@@ -273,7 +273,7 @@ TILEDECODE_TARGET_AVX2 inline void weights_tile(float* out, std::int64_t out_str
 
 }  // namespace tiledecode::cpu::avx2
 
-// ---- AVX-VNNI tier (Isa::avx2_vnni): the score's INT8 dots on vpdpbusd ----------------------
+// ---- AVX-VNNI tier (Isa::avx2_vnni): the score's and the query GEMM's INT8 dots on vpdpbusd --
 //
 // vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds the 4 products to an int32
 // lane: 32 pairs per instruction and no separate add, twice vpmaddwd's 16 (plus vpaddd). The
@@ -284,7 +284,8 @@ TILEDECODE_TARGET_AVX2 inline void weights_tile(float* out, std::int64_t out_str
 // magnitude, a 128-term head dot plus the start value stays below 2^23, and vpdpbusd (unlike
 // vpdpbusds) neither saturates nor can wrap at these magnitudes. The epilogue is the avx2 tier's,
 // so the two tiers' scores are bit-identical. Keys need no int16 widening: the packed block is
-// half the size (2 KB) of the avx2 tier's.
+// half the size (2 KB) of the avx2 tier's. The query GEMM (query_head_tile, below) uses the same
+// offset on the other side: the weights are offset, the q-latent stays signed.
 namespace tiledecode::cpu::avx2_vnni {
 
 // Packs 16 key rows of 128 INT8 (row stride `stride` bytes): kq[c*2 + g], c = 0..31 the 4-byte
@@ -351,6 +352,86 @@ TILEDECODE_TARGET_AVX2_VNNI inline void score_block16(float* out, const std::int
   alignas(32) __m256i kq[64];  // (32 dword columns, 2 row groups) offset bytes
   pack_key_block16(kq, rows, stride);
   score_rows16(out, kq, qd, q_bias, coef, ksc, n_heads);
+}
+
+// Σ_i a[i] over n INT8 values (exact: |sum| <= 128 n): vpdpbusd with u8 ones into four
+// independent accumulators (one chain would be bound by the instruction's latency), scalar tail.
+TILEDECODE_TARGET_AVX2_VNNI inline std::int32_t i8_sum(const std::int8_t* a, std::int64_t n) {
+  const __m256i ones = _mm256_set1_epi8(1);
+  __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                  _mm256_setzero_si256()};
+  std::int64_t i = 0;
+  for (; i + 128 <= n; i += 128)
+    for (int u = 0; u < 4; ++u)
+      s[u] =
+          dpbusd(s[u], ones, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i + 32 * u)));
+  for (; i + 32 <= n; i += 32)
+    s[0] = dpbusd(s[0], ones, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i)));
+  std::int32_t r = avx2::hsum_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3])));
+  for (; i < n; ++i) r += a[i];
+  return r;
+}
+
+// The query GEMM tile on vpdpbusd: avx2::query_head_tile's contract and packed weights (wpk, the
+// head's 8 column blocks of 16, each (K/2, 32) int8 pairs), with the q-latent read as INT8 rows
+// (a + tt * lda, no int16 widening) and a_sum[tt] = Σ_k a[tt][k] (i8_sum):
+//   out (TT, 128) int32, out[tt][c] = Σ_k a[tt][k] · W[k][c] exactly.
+// Two consecutive pair rows kp, kp + 1 of a block become dwords by a 16-bit unpack:
+// unpacklo_epi16 holds (W[4q..4q+3][c]) for c = 0-3 | 8-11, unpackhi for c = 4-7 | 12-15, so
+// the stored layout serves as is (nothing changes at load time). The weight is the unsigned
+// operand, offset to W + 128 (XOR 0x80, once per weight vector, shared by the TT tokens); the
+// token dword a[tt][4q..4q+3] is broadcast signed and the accumulators start at -128·a_sum:
+//   -128 Σ_k a_k + Σ_k (W_k + 128) a_k = Σ_k W_k a_k.
+// K % 4 == 2: the last pair row is unpacked with itself against the dword (a[K-2], a[K-1], 0, 0).
+// Exact for every int8 input, -128 included: the start value is at most 128·128·K in magnitude
+// and each product at most 255·128, so every partial sum (vpdpbusd adds its four products and the
+// lane without saturation) stays within (2^14 + 255·128)·K = 49024·K <= 49024·4096 < 2^28 for
+// K <= kernels::kIndexerMaxQLora = 4096 (the bound holds up to K = 43804; static_assert in
+// indexer_query): no INT32 wrap, the result is the exact dot, and the avx2 tier's epilogue then
+// makes q_i8 / q_sc bit-identical to that tier's.
+template <int TT>
+TILEDECODE_TARGET_AVX2_VNNI inline void query_head_tile(std::int32_t* out, const std::int8_t* a,
+                                                        std::int64_t lda, const std::int32_t* a_sum,
+                                                        std::int64_t K, const std::int8_t* wpk) {
+  const std::int64_t KP = K / 2, KQ = K / 4;
+  const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int nb = 0; nb < 8; ++nb) {
+    const std::int8_t* wp = wpk + nb * KP * 32;
+    __m256i acc[TT][2];
+    for (int tt = 0; tt < TT; ++tt) acc[tt][0] = acc[tt][1] = _mm256_set1_epi32(-128 * a_sum[tt]);
+    for (std::int64_t q = 0; q < KQ; ++q) {
+      const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + q * 64));
+      const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + q * 64 + 32));
+      const __m256i w0 = _mm256_xor_si256(_mm256_unpacklo_epi16(r0, r1), offset);
+      const __m256i w1 = _mm256_xor_si256(_mm256_unpackhi_epi16(r0, r1), offset);
+      for (int tt = 0; tt < TT; ++tt) {
+        std::int32_t quad;
+        std::memcpy(&quad, a + tt * lda + 4 * q, sizeof quad);
+        const __m256i b = _mm256_set1_epi32(quad);
+        acc[tt][0] = dpbusd(acc[tt][0], w0, b);
+        acc[tt][1] = dpbusd(acc[tt][1], w1, b);
+      }
+    }
+    if (K % 4 != 0) {  // the last pair row: k = K-2, K-1
+      const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + KQ * 64));
+      const __m256i w0 = _mm256_xor_si256(_mm256_unpacklo_epi16(r0, r0), offset);
+      const __m256i w1 = _mm256_xor_si256(_mm256_unpackhi_epi16(r0, r0), offset);
+      for (int tt = 0; tt < TT; ++tt) {
+        std::uint16_t pair;
+        std::memcpy(&pair, a + tt * lda + K - 2, sizeof pair);
+        const __m256i b = _mm256_set1_epi32(std::int32_t(pair));
+        acc[tt][0] = dpbusd(acc[tt][0], w0, b);
+        acc[tt][1] = dpbusd(acc[tt][1], w1, b);
+      }
+    }
+    for (int tt = 0; tt < TT; ++tt) {  // columns 0-7 and 8-15 from the (0-3|8-11, 4-7|12-15) lanes
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + tt * 128 + nb * 16),
+                          _mm256_permute2x128_si256(acc[tt][0], acc[tt][1], 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + tt * 128 + nb * 16 + 8),
+                          _mm256_permute2x128_si256(acc[tt][0], acc[tt][1], 0x31));
+    }
+  }
 }
 
 }  // namespace tiledecode::cpu::avx2_vnni

@@ -9,10 +9,11 @@
 //   scalar     portable C++; the twin every SIMD path is tested against
 //   avx2       AVX2 + FMA + F16C (Haswell, Zen 1-3 and later): every kernel's fast path
 //   avx2_vnni  avx2 + AVX-VNNI, the 256-bit VEX form of vpdpbusd (Zen 5, Alder Lake and later;
-//              not AVX-512). Only the INT8 matmuls change -- the indexer score, the q/kv
-//              projection's qr @ wq_b and the output projection's wo_b run on vpdpbusd (32 u8 x s8
-//              pairs per instruction instead of vpmaddwd's 16); their integer dots are exact in
-//              both tiers, so outputs are bit-identical to the avx2 tier.
+//              not AVX-512). Only the INT8 matmuls change -- the indexer score, the indexer
+//              query's qr @ idx_wq_b, the q/kv projection's qr @ wq_b and the output
+//              projection's wo_b run on vpdpbusd (32 u8 x s8 pairs per instruction instead of
+//              vpmaddwd's 16); their integer dots are exact in both tiers, so outputs are
+//              bit-identical to the avx2 tier.
 // Kernels test `has_avx2(isa)` for the AVX2 code and `isa == Isa::avx2_vnni` only where a
 // VNNI kernel exists.
 
