@@ -754,7 +754,9 @@ int main(int argc, char** argv) {
     f << "  \"timing\": "
       << json_str(
              "1 thread: median CPU time of the calling thread over interleaved samples; 2 threads: "
-             "minimum wall time over interleaved samples")
+             "minimum wall time over interleaved samples, each started with the sampled side's "
+             "worker threads woken (untimed) after the pause; TileDecode also sampled without that "
+             "wake (tiledecode_cold_*)")
       << ",\n";
     f << "  \"min_time_s\": " << json_num(opt.min_time) << ",\n";
     f << "  \"quick\": " << (opt.quick ? "true" : "false") << ",\n  \"rows\": [\n";
