@@ -38,6 +38,7 @@ struct QkvProblem {
   index_t T;
   std::vector<td::Tensor<bf16, 2>> wq_a, wkv;
   std::vector<td::Tensor<std::int8_t, 2>> wq_b;
+  std::vector<td::QkvPackedWqB> wq_b_packed;  // the load-time copy, where the CPU has AVX-VNNI
   td::Tensor<bf16, 1> gamma_cq, gamma_ckv;
   td::Tensor<float, 1> wq_b_scale;
   td::Tensor<bf16, 2> x, kv;
@@ -64,6 +65,8 @@ struct QkvProblem {
         v.data()[i] = bf16(float(int((i + k) % 59) - 29) * 1e-3f);
       for (std::size_t i = 0; i < b.size(); ++i)
         b.data()[i] = std::int8_t(int((i * 7 + k) % 255) - 127);
+      if (td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni))
+        wq_b_packed.push_back(td::kernels::pack_qkv_wq_b(cfg, b.view()));
     }
     gamma_cq = td::Tensor<bf16, 1>({QL});
     gamma_ckv = td::Tensor<bf16, 1>({HD});
@@ -85,16 +88,23 @@ struct QkvProblem {
     for (index_t i = 0; i < T; ++i) pos.view()(i) = std::int32_t(8190 + i % 2);
     rope = td::make_rope_table(cfg, td::LayerKind::csa, cfg.max_seq_len);
   }
-  void run(const td::cpu::Context& ctx, int k) {
-    const td::QkvWeights w{wq_a[k].view(),    gamma_cq.view(), wq_b[k].view(),
-                           wq_b_scale.view(), wkv[k].view(),   gamma_ckv.view()};
+  void run(const td::cpu::Context& ctx, int k, bool packed) {
+    const td::QkvWeights w{wq_a[k].view(),
+                           gamma_cq.view(),
+                           wq_b[k].view(),
+                           wq_b_scale.view(),
+                           wkv[k].view(),
+                           gamma_ckv.view(),
+                           packed && !wq_b_packed.empty() ? &wq_b_packed[k] : nullptr};
     td::kernels::qkv_projection(ctx, q.view(), kv.view(), qr.view(), qr_scale.view(), x.view(), w,
                                 rope.view(), pos.view(),
                                 td::QkvScratch{sx.view(), scq.view(), skv.view(), sqr.view()}, cfg);
   }
 };
 
-void bm_qkv(benchmark::State& state, td::ModelConfig cfg) {
+// packed: pass the load-time packed wq_b (LayerWeightsStorage::pack does it in the step); the
+// "_unpacked" variant runs the AVX-VNNI tier on the plain wq_b for comparison.
+void bm_qkv(benchmark::State& state, td::ModelConfig cfg, bool packed) {
   const index_t T = state.range(0);
   const int threads = int(state.range(1));
   QkvProblem p(cfg, T);
@@ -105,7 +115,7 @@ void bm_qkv(benchmark::State& state, td::ModelConfig cfg) {
   double cpu = 0;
   for (auto _ : state) {
     const double c0 = tdbench::process_cpu_seconds();
-    p.run(ctx, k);
+    p.run(ctx, k, packed);
     cpu += tdbench::process_cpu_seconds() - c0;
     k = (k + 1) % QkvProblem::kCopies;
     benchmark::DoNotOptimize(p.q.data());
@@ -145,11 +155,16 @@ void bm_qkv(benchmark::State& state, td::ModelConfig cfg) {
 }
 
 const int kRegistered = [] {
-  auto* f = benchmark::RegisterBenchmark("qkv_projection_flash", bm_qkv, td::flash_config());
+  auto* f = benchmark::RegisterBenchmark("qkv_projection_flash", bm_qkv, td::flash_config(), true);
   for (int threads : {1, 2})
     for (int T : {8, 16, 32, 64}) f->Args({T, threads});
   f->ArgNames({"T", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("qkv_projection_pro", bm_qkv, td::pro_config())
+  benchmark::RegisterBenchmark("qkv_projection_flash_unpacked", bm_qkv, td::flash_config(), false)
+      ->Args({8, 1})
+      ->ArgNames({"T", "threads"})
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("qkv_projection_pro", bm_qkv, td::pro_config(), true)
       ->Args({8, 1})
       ->ArgNames({"T", "threads"})
       ->UseRealTime()

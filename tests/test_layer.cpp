@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "common/compare.hpp"
@@ -243,12 +245,15 @@ struct QkvOut {
       : q({T, c.n_heads, c.head_dim}), kv({T, c.head_dim}), qr({T, c.q_lora}), qr_scale({T}) {}
 };
 
-void run_qkv(const QkvFixture& f, QkvOut& o, const td::cpu::Context& ctx) {
+void run_qkv(const QkvFixture& f, QkvOut& o, const td::cpu::Context& ctx,
+             const td::QkvPackedWqB* packed = nullptr) {
   const auto& c = f.cfg;
   td::Tensor<float, 2> x({f.T, c.hidden}), cq({f.T, c.q_lora}), kvf({f.T, c.head_dim});
   td::Tensor<std::int32_t, 2> pairs({f.T, c.q_lora / 2});
+  td::QkvWeights w = f.weights();
+  w.wq_b_packed = packed;
   td::kernels::qkv_projection(ctx, o.q.view(), o.kv.view(), o.qr.view(), o.qr_scale.view(),
-                              f.x_n.view(), f.weights(), f.rope.view(), f.pos.view(),
+                              f.x_n.view(), w, f.rope.view(), f.pos.view(),
                               {x.view(), cq.view(), kvf.view(), pairs.view()}, c);
 }
 
@@ -301,6 +306,73 @@ TEST(QkvProjection, VnniTierBitIdenticalToAvx2) {
     EXPECT_EQ(0, std::memcmp(a.q.data(), v.q.data(), a.q.size() * 2)) << "T=" << T;
     EXPECT_EQ(0, std::memcmp(a.kv.data(), v.kv.data(), a.kv.size() * 2)) << "T=" << T;
     EXPECT_EQ(0, std::memcmp(a.qr.data(), v.qr.data(), a.qr.size())) << "T=" << T;
+  }
+}
+
+// The packed wq_b path (kernels::pack_qkv_wq_b + avx2_vnni::matmul_i8_packed) against the avx2
+// tier on the plain wq_b: every output byte, T = 8 and odd T = 5 (a partial token tile), 1 and 2
+// threads, with INT8 extremes (-128 / 127) in wq_b and a wq_b column block all -128 / all 127.
+TEST(QkvProjection, PackedVnniBitIdenticalToAvx2) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  for (index_t T : {8, 5}) {
+    QkvFixture f(td::flash_config(), T, 40 + std::uint64_t(T));
+    auto* wb = f.wq_b.data();
+    for (std::size_t i = 0; i < f.wq_b.size(); i += 5) wb[i] = (i / 5) % 2 ? -128 : 127;
+    const index_t N = f.wq_b.view().extent(1);
+    for (index_t k = 0; k < f.cfg.q_lora; ++k)
+      for (index_t n = 0; n < 16; ++n) wb[k * N + 512 + n] = n < 8 ? -128 : 127;  // head 1
+    const td::QkvPackedWqB packed = td::kernels::pack_qkv_wq_b(f.cfg, f.wq_b.view());
+    for (int threads : {1, 2}) {
+      std::unique_ptr<td::ThreadPool> pool;
+      if (threads > 1) pool = std::make_unique<td::ThreadPool>(threads);
+      QkvOut a(f.cfg, f.T), v(f.cfg, f.T);
+      run_qkv(f, a, td::cpu::Context{pool.get(), td::cpu::Isa::avx2});
+      run_qkv(f, v, td::cpu::Context{pool.get(), td::cpu::Isa::avx2_vnni}, &packed);
+      const std::string at = "T=" + std::to_string(T) + " threads=" + std::to_string(threads);
+      EXPECT_EQ(0, std::memcmp(a.q.data(), v.q.data(), a.q.size() * 2)) << at;
+      EXPECT_EQ(0, std::memcmp(a.kv.data(), v.kv.data(), a.kv.size() * 2)) << at;
+      EXPECT_EQ(0, std::memcmp(a.qr.data(), v.qr.data(), a.qr.size())) << at;
+      EXPECT_EQ(0, std::memcmp(a.qr_scale.data(), v.qr_scale.data(), a.qr_scale.size() * 4)) << at;
+    }
+  }
+}
+
+// The packed kernel alone against the scalar twin, on activations the projection cannot produce
+// (Q8 stops at ±127): random INT8 incl. -128, all -128 × all -128 (the largest |sum|) and
+// -128 × 127, T = 1..8, K = 1024 and 256, several column widths (register-tile tails).
+TEST(QkvProjection, PackedVnniMatmulExactOnExtremes) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  tdtest::Rng rng(77);
+  for (index_t K : {1024, 256}) {
+    td::ModelConfig cfg = td::flash_config();
+    cfg.q_lora = int(K);
+    cfg.n_heads = 1;
+    const index_t N = cfg.head_dim;
+    td::Tensor<std::int8_t, 2> w({K, N}), a({8, K});
+    for (int mode = 0; mode < 3; ++mode) {
+      for (index_t i = 0; i < K * N; ++i)
+        w.data()[i] = mode == 0 ? std::int8_t(rng.integer(-128, 127)) : std::int8_t(-128);
+      for (index_t i = 0; i < 8 * K; ++i)
+        a.data()[i] = mode == 0   ? std::int8_t(rng.integer(-128, 127))
+                      : mode == 1 ? std::int8_t(-128)
+                                  : std::int8_t(127);
+      const td::QkvPackedWqB p = td::kernels::pack_qkv_wq_b(cfg, w.view());
+      std::int32_t a_sum[8];
+      for (int t = 0; t < 8; ++t) {
+        a_sum[t] = 0;
+        for (index_t k = 0; k < K; ++k) a_sum[t] += a.data()[t * K + k];
+      }
+      constexpr index_t kLd = 520;
+      for (int T = 1; T <= 8; ++T)
+        for (index_t width : {N, index_t(40), index_t(16), index_t(8)}) {
+          std::vector<std::int32_t> ref(8 * kLd, -1), got(8 * kLd, -1);
+          td::kernels::detail::matmul_i8_axpy_scalar(ref.data(), kLd, a.data(), K, T, w.data(), N,
+                                                     K, 0, width);
+          td::cpu::avx2_vnni::matmul_i8_packed(got.data(), kLd, a.data(), K, a_sum, T,
+                                               p.data.data(), K, width);
+          EXPECT_EQ(ref, got) << "K=" << K << " mode=" << mode << " T=" << T << " width=" << width;
+        }
+    }
   }
 }
 

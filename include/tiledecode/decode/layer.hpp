@@ -98,6 +98,9 @@ struct LayerWeightsStorage {
   Tensor<float, 2> inner_ape;
   Tensor<bf16, 1> inner_norm_w;
   kernels::IndexerQueryWeights idx_packed;  // filled by pack()
+  // wq_b for the avx2_vnni q/kv projection, filled by pack() where the CPU has AVX-VNNI: a
+  // second copy of wq_b (Q_LORA·H·512 bytes, flash 32 MB per layer), not counted in bytes().
+  QkvPackedWqB wq_b_packed;
 
   LayerWeightsStorage() = default;
   LayerWeightsStorage(const ModelConfig& cfg, LayerKind k) : kind(k) {
@@ -141,8 +144,13 @@ struct LayerWeightsStorage {
     w.kind = kind;
     w.hc = {hc_fn.view(), hc_scale.view(), hc_base.view()};
     w.attn_norm = attn_norm.view();
-    w.qkv = {wq_a.view(),       gamma_cq.view(), wq_b.view(),
-             wq_b_scale.view(), wkv.view(),      gamma_ckv.view()};
+    w.qkv = {wq_a.view(),
+             gamma_cq.view(),
+             wq_b.view(),
+             wq_b_scale.view(),
+             wkv.view(),
+             gamma_ckv.view(),
+             wq_b_packed.q_lora > 0 ? &wq_b_packed : nullptr};
     w.attn_sink = attn_sink.view();
     w.wo_a = wo_a.view();
     w.wo_b = wo_b.view();
@@ -157,8 +165,11 @@ struct LayerWeightsStorage {
     return w;
   }
 
-  // Load-time preparation after the weights are filled: packs the indexer query weights (CSA).
+  // Load-time preparation after the weights are filled: packs wq_b for the AVX-VNNI q/kv
+  // projection (only where the CPU has AVX-VNNI) and the indexer query weights (CSA).
   void pack(const ModelConfig& cfg) {
+    if (cpu::cpu_supports(cpu::Isa::avx2_vnni))
+      wq_b_packed = kernels::pack_qkv_wq_b(cfg, wq_b.view());
     if (kind != LayerKind::csa) return;
     idx_packed = kernels::pack_indexer_query_weights(cfg, idx_wq_b.view(), idx_wq_b_scale.view(),
                                                      hadamard.view());

@@ -21,7 +21,10 @@
 // Fast path: the weights are streamed once per step for all T tokens (axpy order, see
 // backend/cpu/decode_avx2.hpp). Tasks: 256-column tiles of wq_a and wkv; then one task per token
 // (norms, Q8, kv RoPE); then one task per query head (its 512 columns of wq_b, tokens in chunks
-// of 8; on Isa::avx2_vnni the wq_b matmul runs on vpdpbusd). Every output element has one
+// of 8; on Isa::avx2_vnni the wq_b matmul runs on vpdpbusd, on the load-time packed copy
+// QkvWeights::wq_b_packed when the caller provides one: one contiguous 512 KB stream per head,
+// register-resident accumulators: all 64 heads at T = 8 on one thread 2.0 → 1.4 ms; see
+// cpu::avx2_vnni::matmul_i8_packed). Every output element has one
 // producer and a fixed order: results do not depend on the thread count, and the scalar, AVX2
 // and AVX-VNNI paths give identical matmul results.
 
@@ -41,6 +44,17 @@
 
 namespace tiledecode {
 
+// wq_b repacked for the avx2_vnni tier (kernels::pack_qkv_wq_b, layout at
+// cpu::avx2_vnni::matmul_i8_packed): u8 (w + 128) k-quads of 8 columns, column-vector-major, so
+// one head's 512 columns × Q_LORA rows are one contiguous run (512 KB for flash) and every 32-byte
+// load is a vpdpbusd operand. A second copy of wq_b, same size (flash: 32 MB per layer); the
+// original stays (the avx2 / scalar tiers, the golden layer and the a2a3 backend read it).
+struct QkvPackedWqB {
+  index_t q_lora = 0;  // K
+  index_t cols = 0;    // H*512
+  Buffer<std::uint8_t> data;
+};
+
 // The q/kv projection weights of one layer (spec §2 layouts, used as x @ W).
 struct QkvWeights {
   ConstView<bf16, 2> wq_a;         // (D, Q_LORA)
@@ -49,6 +63,8 @@ struct QkvWeights {
   ConstView<float, 1> wq_b_scale;  // (H*512) per output column
   ConstView<bf16, 2> wkv;          // (D, 512)
   ConstView<bf16, 1> gamma_ckv;    // (512)
+  // Optional packed copy of wq_b: used on Isa::avx2_vnni when present (same results).
+  const QkvPackedWqB* wq_b_packed = nullptr;
 };
 
 // Caller scratch of qkv_projection (FP32 / INT32, T rows).
@@ -105,6 +121,28 @@ inline void matmul_i8_axpy_scalar(std::int32_t* acc, index_t acc_ld, const std::
   }
 }
 }  // namespace detail
+
+// Packs wq_b (Q_LORA, H*512) INT8 for the avx2_vnni tier (see QkvPackedWqB). Call once at load
+// time (allocates Q_LORA·H·512 bytes); only useful where cpu::cpu_supports(Isa::avx2_vnni).
+inline QkvPackedWqB pack_qkv_wq_b(const ModelConfig& cfg, ConstView<std::int8_t, 2> wq_b) {
+  constexpr std::string_view where = "pack_qkv_wq_b";
+  const index_t K = cfg.q_lora, N = index_t(cfg.n_heads) * cfg.head_dim;
+  if (K % 4 != 0) throw_arg(where, "cfg.q_lora", K, "a multiple of 4");
+  if (N % 8 != 0) throw_arg(where, "cfg.n_heads * cfg.head_dim", N, "a multiple of 8");
+  check_equal(where, "wq_b.extent(0)", wq_b.extent(0), K);
+  check_equal(where, "wq_b.extent(1)", wq_b.extent(1), N);
+  QkvPackedWqB p;
+  p.q_lora = K;
+  p.cols = N;
+  p.data = Buffer<std::uint8_t>(std::size_t(K * N));
+  const index_t KQ = K / 4;
+  // Rows in order (sequential reads); byte 4j + i of quad q of vector v = w[4q + i][8v + j] + 128.
+  for (index_t k = 0; k < K; ++k)
+    for (index_t n = 0; n < N; ++n)
+      p.data[std::size_t(((n / 8) * KQ + k / 4) * 32 + (n % 8) * 4 + k % 4)] =
+          std::uint8_t(std::uint8_t(wq_b(k, n)) ^ 0x80u);
+  return p;
+}
 
 // q (T, H, 512) BF16, kv (T, 512) BF16, qr (T, Q_LORA) INT8, qr_scale (T) FP32
 //   ← x_n (T, D) BF16, the layer's QkvWeights, its RoPE table, position_ids (T).
@@ -167,6 +205,13 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
   // Q_LORA <= 65536 and 32-column multiples (head_dim 512), otherwise the avx2 matmul runs.
   [[maybe_unused]] const bool vnni =
       avx2 && ctx.isa == cpu::Isa::avx2_vnni && QL <= 65536 && HD % 32 == 0;
+  // ... and on the packed copy of wq_b when the caller has one (a contiguous stream per head).
+  const QkvPackedWqB* packed = w.wq_b_packed;
+  if (packed) {
+    check_equal(where, "w.wq_b_packed->q_lora", packed->q_lora, QL);
+    check_equal(where, "w.wq_b_packed->cols", packed->cols, H * HD);
+  }
+  [[maybe_unused]] const bool vnni_packed = vnni && packed != nullptr;
   // 1. x_n → FP32 (exact), once, so the matmul broadcasts floats.
   for (index_t t = 0; t < T; ++t)
     for (index_t k = 0; k < D; ++k) s.x(t, k) = x_n(t, k).to_float();
@@ -245,8 +290,15 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
       if (vnni) {
         std::int32_t a_sum[8];
         for (int tt = 0; tt < tc; ++tt) a_sum[tt] = s.qr_pairs(t0 + tt, 0);  // step 3's Σ qr
-        cpu::avx2_vnni::matmul_i8_axpy(acc, kAccLd, qr.data() + t0 * qr.stride(0), qr.stride(0),
-                                       a_sum, tc, w.wq_b.data(), w.wq_b.stride(0), QL, n0, n0 + HD);
+        if (vnni_packed) {
+          cpu::avx2_vnni::matmul_i8_packed(acc, kAccLd, qr.data() + t0 * qr.stride(0), qr.stride(0),
+                                           a_sum, tc, packed->data.data() + std::size_t(n0 * QL),
+                                           QL, HD);
+        } else {
+          cpu::avx2_vnni::matmul_i8_axpy(acc, kAccLd, qr.data() + t0 * qr.stride(0), qr.stride(0),
+                                         a_sum, tc, w.wq_b.data(), w.wq_b.stride(0), QL, n0,
+                                         n0 + HD);
+        }
       } else if (avx2) {
         cpu::avx2::matmul_i8_axpy(acc, kAccLd, s.qr_pairs.data() + t0 * s.qr_pairs.stride(0),
                                   s.qr_pairs.stride(0), tc, w.wq_b.data(), w.wq_b.stride(0), QL, n0,

@@ -13,7 +13,9 @@
 //              query's qr @ idx_wq_b, the q/kv projection's qr @ wq_b and the output
 //              projection's wo_b run on vpdpbusd (32 u8 x s8 pairs per instruction instead of
 //              vpmaddwd's 16); their integer dots are exact in both tiers, so outputs are
-//              bit-identical to the avx2 tier.
+//              bit-identical to the avx2 tier. wq_b also has a load-time packed copy for this
+//              tier (kernels::pack_qkv_wq_b, made by LayerWeightsStorage::pack only where the
+//              CPU has AVX-VNNI; +32 MB per flash layer).
 // Kernels test `has_avx2(isa)` for the AVX2 code and `isa == Isa::avx2_vnni` only where a
 // VNNI kernel exists.
 
