@@ -30,10 +30,10 @@
 
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/backend/cpu/output_projection_avx2.hpp"
+#include "tiledecode/backend/cpu/quant.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/config.hpp"
 #include "tiledecode/core/error.hpp"
-#include "tiledecode/core/quant.hpp"
 #include "tiledecode/core/view.hpp"
 
 namespace tiledecode::kernels {
@@ -63,10 +63,6 @@ struct Layout {
 };
 
 struct ScalarOps {
-  static float q8(std::int8_t* q, const float* x, std::int64_t n) {
-    return quantize_q8(std::span<std::int8_t>(q, std::size_t(n)),
-                       std::span<const float>(x, std::size_t(n)));
-  }
   static void a_chunk(float* out, std::int64_t ldout, const float* o, std::int64_t ldo, int nt,
                       const bf16* w, std::int64_t ldw, int nr, int kc, int /*nr_pf*/) {
     for (int t = 0; t < nt; ++t)
@@ -94,9 +90,6 @@ struct ScalarOps {
 
 #if TILEDECODE_X86
 struct Avx2Ops {
-  static float q8(std::int8_t* q, const float* x, std::int64_t n) {
-    return n % 32 == 0 ? cpu::avx2::quantize_q8_avx2(q, x, n) : ScalarOps::q8(q, x, n);
-  }
   static void a_chunk(float* out, std::int64_t ldout, const float* o, std::int64_t ldo, int nt,
                       const bf16* w, std::int64_t ldw, int nr, int kc, int nr_pf) {
     cpu::avx2::oproj_a_chunk(out, ldout, o, ldo, nt, w, ldw, nr, kc, nr_pf);
@@ -151,7 +144,7 @@ void run(const cpu::Context& ctx, const ModelConfig& cfg, View<bf16, 2> attn_out
     }
   });
   ctx.parallel_for(0, T * G, 1, [&](std::int64_t tg) {
-    adq[tg] = Ops::q8(a + tg * R, orr + tg * R, R);
+    adq[tg] = cpu::quantize_q8_row(ctx.isa, a + tg * R, orr + tg * R, R);
     std::int32_t sum = 0;
     for (index_t r = 0; r < R; ++r) sum += a[tg * R + r];
     asum[tg] = sum;

@@ -30,14 +30,13 @@
 
 #include <cmath>
 #include <cstdint>
-#include <span>
 
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/backend/cpu/decode_avx2.hpp"
+#include "tiledecode/backend/cpu/quant.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/config.hpp"
 #include "tiledecode/core/error.hpp"
-#include "tiledecode/core/quant.hpp"
 #include "tiledecode/core/view.hpp"
 #include "tiledecode/kernels/rmsnorm.hpp"
 #include "tiledecode/rope/rope.hpp"
@@ -246,15 +245,7 @@ inline void qkv_projection(const cpu::Context& ctx, View<bf16, 3> q, View<bf16, 
     float* cq = s.cq.data() + t * s.cq.stride(0);
     rmsnorm_row_f64(cq, w.gamma_cq.data(), QL, cfg.rms_eps, ctx.isa);
     std::int8_t* qrt = qr.data() + t * qr.stride(0);
-#if TILEDECODE_X86
-    if (avx2 && QL % 32 == 0) {
-      qr_scale(t) = cpu::avx2::quantize_q8_avx2(qrt, cq, QL);
-    } else
-#endif
-    {
-      qr_scale(t) = quantize_q8(std::span<std::int8_t>(qrt, std::size_t(QL)),
-                                std::span<const float>(cq, std::size_t(QL)));
-    }
+    qr_scale(t) = cpu::quantize_q8_row(ctx.isa, qrt, cq, QL);
     if (vnni) {
       std::int32_t sum = 0;
       for (index_t k = 0; k < QL; ++k) sum += qrt[k];
