@@ -29,6 +29,7 @@
 #include "common/random.hpp"
 #include "common/sparse_attn_fixture.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
+#include "tiledecode/backend/cpu/sparse_attention.hpp"
 #include "tiledecode/core/parallel.hpp"
 #include "tiledecode/decode/step.hpp"
 #include "tiledecode/golden/sparse_attention.hpp"
@@ -36,7 +37,6 @@
 #include "tiledecode/kernels/output_projection.hpp"
 #include "tiledecode/kernels/qkv_projection.hpp"
 #include "tiledecode/kernels/rmsnorm.hpp"
-#include "tiledecode/kernels/sparse_attention.hpp"
 #include "tiledecode/kernels/topk.hpp"
 #include "tiledecode/paged/cache.hpp"
 #include "tiledecode/paged/metadata.hpp"
@@ -727,25 +727,11 @@ TEST(Reliability, DISABLED_ValidationCost) {
                                            ws, cfg);
       }));
   auto v = ws.views(B, S);
-  const td::kernels::sparse_attention_detail::Args args{&cfg,
-                                                        LayerKind::csa,
-                                                        v.o_packed,
-                                                        v.q,
-                                                        c.kv_cache,
-                                                        c.cmp_kv,
-                                                        md.window_indices(),
-                                                        md.window_lens(),
-                                                        v.topk_idxs,
-                                                        md.tables().cmp_block_table,
-                                                        md.position_ids(),
-                                                        md.kv_seq_lens(),
-                                                        S,
-                                                        w.attn_sink,
-                                                        rope};
-  const td::kernels::sparse_attention_detail::SlotLayout lay(cfg.head_dim);
-  add("sparse_attention validate", median_seconds(reps, [&] {
-        td::kernels::sparse_attention_detail::validate(args, v.attn_ws.size() - 64, lay.bytes());
-      }));
+  const auto args = td::kernels::sparse_attention_args(
+      cfg, LayerKind::csa, v.o_packed, v.q, c.kv_cache, c.cmp_kv, md.window_indices(),
+      md.window_lens(), v.topk_idxs, md.tables().cmp_block_table, md.position_ids(),
+      md.kv_seq_lens(), S, w.attn_sink, rope);
+  add("sparse_attention validate", median_seconds(reps, [&] { td::kernels::validate(args); }));
   const auto pos = md.position_ids();
   const td::kernels::CompressorMetadata main_meta{
       sh, pos, md.csa_state_slot_mapping(), md.csa_cmp_slot_mapping(), md.tables().csa_state_table};

@@ -5,6 +5,7 @@
 
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/backend/cpu/isa.hpp"
+#include "tiledecode/backend/cpu/sparse_attention.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/config.hpp"
 #include "tiledecode/core/error.hpp"
@@ -19,7 +20,6 @@
 #include "tiledecode/kernels/output_projection.hpp"
 #include "tiledecode/kernels/qkv_projection.hpp"
 #include "tiledecode/kernels/rmsnorm.hpp"
-#include "tiledecode/kernels/sparse_attention.hpp"
 #include "tiledecode/kernels/topk.hpp"
 #include "tiledecode/paged/cache.hpp"
 #include "tiledecode/paged/metadata.hpp"

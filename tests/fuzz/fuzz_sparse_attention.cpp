@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "fuzz_common.hpp"
+#include "tiledecode/backend/cpu/sparse_attention.hpp"
 #include "tiledecode/golden/sparse_attention.hpp"
-#include "tiledecode/kernels/sparse_attention.hpp"
 
 namespace td = tiledecode;
 namespace tk = tiledecode::kernels;

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "tiledecode/backend/cpu/sparse_attention.hpp"
 #include "tiledecode/core/config.hpp"
 #include "tiledecode/core/error.hpp"
 #include "tiledecode/core/view.hpp"
@@ -44,7 +45,6 @@
 #include "tiledecode/kernels/output_projection.hpp"
 #include "tiledecode/kernels/qkv_projection.hpp"
 #include "tiledecode/kernels/rmsnorm.hpp"
-#include "tiledecode/kernels/sparse_attention.hpp"
 #include "tiledecode/paged/cache.hpp"
 #include "tiledecode/paged/step_metadata.hpp"
 #include "tiledecode/rope/rope.hpp"

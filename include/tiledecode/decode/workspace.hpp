@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <span>
 
+#include "tiledecode/backend/cpu/sparse_attention.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/config.hpp"
 #include "tiledecode/core/error.hpp"
@@ -25,7 +26,6 @@
 #include "tiledecode/kernels/indexer.hpp"
 #include "tiledecode/kernels/output_projection.hpp"
 #include "tiledecode/kernels/qkv_projection.hpp"
-#include "tiledecode/kernels/sparse_attention.hpp"
 
 namespace tiledecode::decode {
 

@@ -45,7 +45,8 @@ struct RopeTableView {
   ConstView<bf16, 2> cos;  // (L, 64)
   ConstView<bf16, 2> sin;  // (L, 64)
 
-  index_t length() const { return cos.extent(0); }
+  // Positions both halves cover (a short sin half must never be read past its end).
+  index_t length() const { return std::min(cos.extent(0), sin.extent(0)); }
   const bf16* cos_row(index_t pos) const { return cos.data() + pos * cos.stride(0); }
   const bf16* sin_row(index_t pos) const { return sin.data() + pos * sin.stride(0); }
 };
@@ -160,6 +161,7 @@ inline void check_rope_position(std::string_view where, const RopeTableView& t, 
 // Validates a table view once at an API boundary: both halves (L, >= 32) with unit inner
 // stride and equal row counts, so that cos_row/sin_row can be read as plain arrays.
 inline void check_rope_table(std::string_view where, const RopeTableView& t) {
+  check_at_least(where, "rope.cos.extent(0)", t.cos.extent(0), index_t(0));
   check_at_least(where, "rope.cos.extent(1)", t.cos.extent(1), index_t(kRopeHalf));
   check_equal(where, "rope.sin.extent(0)", t.sin.extent(0), t.cos.extent(0));
   check_at_least(where, "rope.sin.extent(1)", t.sin.extent(1), index_t(kRopeHalf));

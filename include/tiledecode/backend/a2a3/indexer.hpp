@@ -544,14 +544,6 @@ inline void indexer_score_two_scope(Machine& m, const IndexerInputs& in, const I
   });
 }
 
-// (score, index) pair of the vector sort: descending score, ascending index on ties.
-struct ScorePair {
-  float score;
-  std::int32_t index;
-};
-inline bool pair_before(const ScorePair& a, const ScorePair& b) {
-  return a.score > b.score || (a.score == b.score && a.index < b.index);
-}
 inline void merge_runs(ScorePair* dst, const ScorePair* src, index_t n, index_t run, index_t ways,
                        index_t keep) {
   // Merges groups of `ways` consecutive sorted runs of length `run`; keeps the first `keep` of

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -38,6 +39,7 @@
 
 #include "tiledecode/backend/a2a3/arch.hpp"
 #include "tiledecode/backend/a2a3/memory.hpp"
+#include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/error.hpp"
 #include "tiledecode/core/parallel.hpp"
 #include "tiledecode/core/view.hpp"
@@ -380,13 +382,258 @@ class CubeCore : public Core {
   }
 };
 
-// Vector core (AIV): UB tiles, vector ops, sorts.
+// (score, index) pair of the vector sort: descending score, ascending index on ties.
+struct ScorePair {
+  float score;
+  std::int32_t index;
+};
+inline bool pair_before(const ScorePair& a, const ScorePair& b) {
+  return a.score > b.score || (a.score == b.score && a.index < b.index);
+}
+
+// Vector core (AIV): UB tiles and its typed instruction set.
+//
+// Every instruction is one Ascend C vector API call on UB operands (`Sub` rectangles of tiles):
+// it computes its result functionally and is timed by its class, from arch.hpp only:
+//   alu      (add, sub, mul, max, min, abs, copy, dup, cast, select, pair gathers, broadcasts):
+//            issue cost + one repeat of vector_bytes_per_cycle (256 B of the widest element type)
+//            per cycle;
+//   special  (exp, reciprocal, sqrt, division): the same repeats at 1 / vector_exp_cost_factor;
+//   reduce   (row max / row sum): one repeat per 256 B folds each 256-B block to one value
+//            (WholeReduce), a row longer than one block takes a second pass over the partials;
+//   sort     Sort32 / MrgSort at sort32_cycles_per_element / merge_cycles_per_element.
+// There is no instruction that runs caller code or takes a caller-chosen cost.
+// Numerics: FP32 IEEE arithmetic as on the CPU; max/min propagate NaN; row sums fold each
+// 64-element block by a pairwise tree and add the blocks in order; casts to BF16 round to nearest
+// even, FP32 -> integer casts round half to even and saturate.
 class VectorCore : public Core {
  public:
   VectorCore(int id, const ArchFacts& arch) : Core(Role::vector, id, arch) {}
 
-  // VECTOR: an elementwise/reduction op over `elems` elements of `elem_bytes` each, costing
-  // `factor` x the plain rate (exp: arch.vector_exp_cost_factor). `body` computes it.
+  enum class Unit { alu, special };
+
+  double vector_cycles(index_t elems, std::size_t elem_bytes, Unit u = Unit::alu) const {
+    const double repeats =
+        std::ceil(double(elems) * double(elem_bytes) / arch_->vector_bytes_per_cycle);
+    return arch_->vector_op_overhead_cycles +
+           repeats * (u == Unit::special ? arch_->vector_exp_cost_factor : 1.0);
+  }
+  double reduce_cycles(index_t rows, index_t cols) const {
+    const index_t per_block = index_t(arch_->vector_bytes_per_cycle / 4);  // FP32 per repeat
+    double c = vector_cycles(rows * cols, 4);
+    if (cols > per_block) c += vector_cycles(rows * ((cols + per_block - 1) / per_block), 4);
+    return c;
+  }
+
+  // ---- element-wise, same-shape operands: d = a (op) b
+  void vadd(Sub<float> d, Sub<float> a, Sub<float> b, std::string_view name = "vadd") {
+    binary(name, Unit::alu, d, a, b, [](float x, float y) { return x + y; });
+  }
+  void vsub(Sub<float> d, Sub<float> a, Sub<float> b, std::string_view name = "vsub") {
+    binary(name, Unit::alu, d, a, b, [](float x, float y) { return x - y; });
+  }
+  void vmul(Sub<float> d, Sub<float> a, Sub<float> b, std::string_view name = "vmul") {
+    binary(name, Unit::alu, d, a, b, [](float x, float y) { return x * y; });
+  }
+  void vdiv(Sub<float> d, Sub<float> a, Sub<float> b, std::string_view name = "vdiv") {
+    binary(name, Unit::special, d, a, b, [](float x, float y) { return x / y; });
+  }
+  void vmax(Sub<float> d, Sub<float> a, Sub<float> b, std::string_view name = "vmax") {
+    binary(name, Unit::alu, d, a, b, max_nan);
+  }
+  // ---- with a scalar operand: d = a (op) s
+  void vadds(Sub<float> d, Sub<float> a, float s, std::string_view name = "vadds") {
+    unary(name, Unit::alu, d, a, [s](float x) { return x + s; });
+  }
+  void vmuls(Sub<float> d, Sub<float> a, float s, std::string_view name = "vmuls") {
+    unary(name, Unit::alu, d, a, [s](float x) { return x * s; });
+  }
+  void vmaxs(Sub<float> d, Sub<float> a, float s, std::string_view name = "vmaxs") {
+    unary(name, Unit::alu, d, a, [s](float x) { return max_nan(x, s); });
+  }
+  void vmins(Sub<float> d, Sub<float> a, float s, std::string_view name = "vmins") {
+    unary(name, Unit::alu, d, a, [s](float x) { return min_nan(x, s); });
+  }
+  // d = s / a (scalar numerator; e.g. 127 / amax)
+  void vsdiv(Sub<float> d, float s, Sub<float> a, std::string_view name = "vsdiv") {
+    unary(name, Unit::special, d, a, [s](float x) { return s / x; });
+  }
+  // ---- unary
+  void vexp(Sub<float> d, Sub<float> a, std::string_view name = "vexp") {
+    unary(name, Unit::special, d, a, [](float x) { return std::exp(x); });
+  }
+  void vsqrt(Sub<float> d, Sub<float> a, std::string_view name = "vsqrt") {
+    unary(name, Unit::special, d, a, [](float x) { return std::sqrt(x); });
+  }
+  void vabs(Sub<float> d, Sub<float> a, std::string_view name = "vabs") {
+    unary(name, Unit::alu, d, a, [](float x) { return std::fabs(x); });
+  }
+  void vrelu(Sub<float> d, Sub<float> a, std::string_view name = "vrelu") {
+    unary(name, Unit::alu, d, a, [](float x) { return max_nan(x, 0.0f); });
+  }
+  // ---- broadcasts: v holds one value per row of d (rows(v) * cols(v) == rows(d)), or one per
+  // column (== cols(d)), read in row-major order of v.
+  void vmul_rows(Sub<float> d, Sub<float> a, Sub<float> v, std::string_view name = "vmul_rows") {
+    broadcast(name, Unit::alu, true, d, a, v, [](float x, float y) { return x * y; });
+  }
+  void vadd_rows(Sub<float> d, Sub<float> a, Sub<float> v, std::string_view name = "vadd_rows") {
+    broadcast(name, Unit::alu, true, d, a, v, [](float x, float y) { return x + y; });
+  }
+  void vsub_rows(Sub<float> d, Sub<float> a, Sub<float> v, std::string_view name = "vsub_rows") {
+    broadcast(name, Unit::alu, true, d, a, v, [](float x, float y) { return x - y; });
+  }
+  void vdiv_rows(Sub<float> d, Sub<float> a, Sub<float> v, std::string_view name = "vdiv_rows") {
+    broadcast(name, Unit::special, true, d, a, v, [](float x, float y) { return x / y; });
+  }
+  void vmul_cols(Sub<float> d, Sub<float> a, Sub<float> v, std::string_view name = "vmul_cols") {
+    broadcast(name, Unit::alu, false, d, a, v, [](float x, float y) { return x * y; });
+  }
+  void vadd_cols(Sub<float> d, Sub<float> a, Sub<float> v, std::string_view name = "vadd_cols") {
+    broadcast(name, Unit::alu, false, d, a, v, [](float x, float y) { return x + y; });
+  }
+  // d(r, c) += a(r, c) * v[r]  (MulAddDst with a row scalar)
+  void vaxpy_rows(Sub<float> d, Sub<float> a, Sub<float> v, std::string_view name = "vaxpy_rows") {
+    check_vec(d, name);
+    check_same(d, a, name);
+    check_broadcast(d, v, true, name);
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r) {
+        const float s = at(v, r);
+        for (index_t c = 0; c < d.cols; ++c) d(r, c) += a(r, c) * s;
+      }
+    issue(Pipe::vector, name, vector_cycles(d.size(), 4), {d.state(), a.state(), v.state()},
+          {d.state()});
+  }
+  // ---- reductions over the columns of each row: d[r] = max / sum of a(r, :)
+  void vrow_max(Sub<float> d, Sub<float> a, std::string_view name = "vrow_max") {
+    reduce(name, d, a, false);
+  }
+  void vrow_sum(Sub<float> d, Sub<float> a, std::string_view name = "vrow_sum") {
+    reduce(name, d, a, true);
+  }
+  // ---- data
+  template <class T>
+  void vdup(Sub<T> d, T value, std::string_view name = "vdup") {
+    check_vec(d, name);
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r)
+        for (index_t c = 0; c < d.cols; ++c) d(r, c) = value;
+    issue(Pipe::vector, name, vector_cycles(d.size(), sizeof(T)), {}, {d.state()});
+  }
+  template <class T>
+  void vcopy(Sub<T> d, Sub<T> a, std::string_view name = "vcopy") {
+    check_vec(d, name);
+    check_same(d, a, name);
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r)
+        for (index_t c = 0; c < d.cols; ++c) d(r, c) = a(r, c);
+    issue(Pipe::vector, name, vector_cycles(d.size(), sizeof(T)), {a.state()}, {d.state()});
+  }
+  // Type conversion (Cast): FP32 -> BF16 round to nearest even (NaN stays NaN), BF16 -> FP32 and
+  // INT32/INT8 -> FP32 exact, FP32 -> INT32 / INT8 round half to even with saturation (NaN -> 0).
+  template <class D, class S>
+  void vcast(Sub<D> d, Sub<S> a, std::string_view name = "vcast") {
+    check_vec(d, name);
+    check_same(d, a, name);
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r)
+        for (index_t c = 0; c < d.cols; ++c) d(r, c) = convert<D>(a(r, c));
+    issue(Pipe::vector, name, vector_cycles(d.size(), std::max(sizeof(D), sizeof(S))), {a.state()},
+          {d.state()});
+  }
+  // d[2i] = a[2i + 1], d[2i + 1] = a[2i] (a fixed-pattern Gather: the x[j ^ 1] of the RoPE pairs)
+  void vswap_pairs(Sub<float> d, Sub<float> a, std::string_view name = "vswap_pairs") {
+    check_vec(d, name);
+    check_same(d, a, name);
+    if (d.cols % 2 != 0) throw Error("a2a3 " + std::string(name) + ": odd row width");
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r)
+        for (index_t c = 0; c < d.cols; c += 2) {
+          const float e = a(r, c), o = a(r, c + 1);
+          d(r, c) = o;
+          d(r, c + 1) = e;
+        }
+    issue(Pipe::vector, name, vector_cycles(d.size(), 4), {a.state()}, {d.state()});
+  }
+  // d[i] = d[i + 1] = a[i / 2] per row: widens a half-width row to interleaved pairs (Gather)
+  void vdup_pairs(Sub<float> d, Sub<float> a, std::string_view name = "vdup_pairs") {
+    check_vec(d, name);
+    if (a.rows != d.rows || 2 * a.cols != d.cols)
+      throw Error("a2a3 " + std::string(name) + ": operand is not half the width");
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r)
+        for (index_t c = 0; c < d.cols; ++c) d(r, c) = a(r, c / 2);
+    issue(Pipe::vector, name, vector_cycles(d.size(), 4), {a.state()}, {d.state()});
+  }
+  // Columns >= n of every row of d take `value` (Select with a column mask: the score tail).
+  template <class T>
+  void vfill_from(Sub<T> d, index_t n, T value, std::string_view name = "vfill_from") {
+    check_vec(d, name);
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r)
+        for (index_t c = std::max<index_t>(n, 0); c < d.cols; ++c) d(r, c) = value;
+    issue(Pipe::vector, name, vector_cycles(d.size(), sizeof(T)), {d.state()}, {d.state()});
+  }
+  // ---- sort (score, index) pairs
+  // Pairs from a score row (CreateVecIndex + Select + the pair interleave): column j of row 0 of
+  // `d` = (score j, j), with columns >= valid and NaN scores replaced by `fill`.
+  void vmake_pairs(Sub<ScorePair> d, Sub<float> score, index_t valid, float fill,
+                   std::string_view name = "vmake_pairs") {
+    check_vec(d, name);
+    check_same(d, score, name);
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r)
+        for (index_t c = 0; c < d.cols; ++c) {
+          const float v = score(r, c);
+          d(r, c) = {c < valid && v == v ? v : fill, std::int32_t(c)};
+        }
+    issue(Pipe::vector, name, vector_cycles(d.size(), sizeof(ScorePair)), {score.state()},
+          {d.state()});
+  }
+  // Sort32: every run of 32 pairs of each row sorted (descending score, ascending index).
+  void vsort32(Sub<ScorePair> d, Sub<ScorePair> a, std::string_view name = "vsort32") {
+    check_vec(d, name);
+    check_same(d, a, name);
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r) {
+        for (index_t c = 0; c < d.cols; ++c) d(r, c) = a(r, c);
+        for (index_t g = 0; g < d.cols; g += 32)
+          std::sort(&d(r, g), &d(r, 0) + std::min(d.cols, g + 32), pair_before);
+      }
+    issue(Pipe::vector, name,
+          arch_->vector_op_overhead_cycles + double(d.size()) * arch_->sort32_cycles_per_element,
+          {a.state()}, {d.state()});
+  }
+  // MrgSort: merges groups of `ways` (<= 4) consecutive sorted runs of length `run` of each row and
+  // keeps the first `keep` pairs of each merged group (the rest of that group in d is unchanged).
+  void vmerge(Sub<ScorePair> d, Sub<ScorePair> a, index_t run, int ways, index_t keep,
+              std::string_view name = "vmerge") {
+    check_vec(d, name);
+    check_same(d, a, name);
+    if (ways < 2 || ways > 4) throw Error("a2a3 " + std::string(name) + ": 2..4 ways");
+    index_t produced = 0;
+    for (index_t g = 0; g < d.cols; g += run * ways)
+      produced += std::min(std::min(d.cols, g + run * ways) - g, keep);
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r) merge_row(&d(r, 0), &a(r, 0), d.cols, run, ways, keep);
+    issue(Pipe::vector, name,
+          arch_->vector_op_overhead_cycles +
+              double(produced * d.rows) * arch_->merge_cycles_per_element,
+          {a.state()}, {d.state()});
+  }
+  // d[j] = j < k ? a[j].index + offset : -1 (GatherMask of the index lane + Select)
+  void vpair_indices(Sub<std::int32_t> d, Sub<ScorePair> a, index_t k, std::int32_t offset,
+                     std::string_view name = "vpair_indices") {
+    check_vec(d, name);
+    check_same(d, a, name);
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r)
+        for (index_t c = 0; c < d.cols; ++c) d(r, c) = c < k ? a(r, c).index + offset : -1;
+    issue(Pipe::vector, name, vector_cycles(d.size(), sizeof(ScorePair)), {a.state()}, {d.state()});
+  }
+
+  // Deprecated during the port to typed instructions: an op that runs `body` and charges
+  // `factor`. Removed once every schedule is written in the instructions above.
   template <class F>
   void vec(std::string_view name, index_t elems, int elem_bytes,
            std::initializer_list<BufferState*> reads, std::initializer_list<BufferState*> writes,
@@ -397,8 +644,6 @@ class VectorCore : public Core {
         factor * std::ceil(double(elems) * elem_bytes / arch_->vector_bytes_per_cycle);
     issue(Pipe::vector, name, cyc, reads, writes);
   }
-
-  // VECTOR: Sort32 over `elems` (score, index) pairs (sorted runs of 32).
   template <class F>
   void sort32(std::string_view name, index_t elems, std::initializer_list<BufferState*> reads,
               std::initializer_list<BufferState*> writes, F&& body) {
@@ -407,7 +652,6 @@ class VectorCore : public Core {
           arch_->vector_op_overhead_cycles + double(elems) * arch_->sort32_cycles_per_element,
           reads, writes);
   }
-  // VECTOR: one MrgSort pass producing `elems` merged pairs.
   template <class F>
   void merge(std::string_view name, index_t elems, std::initializer_list<BufferState*> reads,
              std::initializer_list<BufferState*> writes, F&& body) {
@@ -415,6 +659,134 @@ class VectorCore : public Core {
     issue(Pipe::vector, name,
           arch_->vector_op_overhead_cycles + double(elems) * arch_->merge_cycles_per_element, reads,
           writes);
+  }
+
+ private:
+  static float max_nan(float x, float y) { return (x != x || y != y) ? x + y : (x < y ? y : x); }
+  static float min_nan(float x, float y) { return (x != x || y != y) ? x + y : (y < x ? y : x); }
+
+  template <class D, class S>
+  static D convert(S v) {
+    if constexpr (std::is_same_v<D, S>) {
+      return v;
+    } else if constexpr (std::is_same_v<D, bf16>) {
+      return bf16(float(v));
+    } else if constexpr (std::is_same_v<S, bf16>) {
+      return D(v.to_float());
+    } else if constexpr (std::is_floating_point_v<S> && std::is_integral_v<D>) {
+      if (v != v) return D(0);
+      const float lo = float(std::numeric_limits<D>::min()),
+                  hi = float(std::numeric_limits<D>::max());
+      const float r = std::nearbyint(float(v));
+      return r <= lo   ? std::numeric_limits<D>::min()
+             : r >= hi ? std::numeric_limits<D>::max()
+                       : D(r);
+    } else if constexpr (std::is_integral_v<S> && std::is_integral_v<D>) {
+      return D(std::clamp<std::int64_t>(std::int64_t(v), std::numeric_limits<D>::min(),
+                                        std::numeric_limits<D>::max()));
+    } else {
+      return D(v);
+    }
+  }
+
+  template <class A, class B>
+  static void check_same(const Sub<A>& d, const Sub<B>& a, std::string_view name) {
+    if (a.rows != d.rows || a.cols != d.cols)
+      throw Error("a2a3 " + std::string(name) + ": operand '" + std::string(a.name()) + "' is " +
+                  std::to_string(a.rows) + "x" + std::to_string(a.cols) + ", destination '" +
+                  std::string(d.name()) + "' " + std::to_string(d.rows) + "x" +
+                  std::to_string(d.cols));
+  }
+  template <class T>
+  void check_vec(const Sub<T>& d, std::string_view name) const {
+    check_space(d.space());
+    if (d.r0 < 0 || d.c0 < 0 || d.r0 + d.rows > d.tile.rows() || d.c0 + d.cols > d.tile.cols())
+      throw Error("a2a3 " + std::string(name) + ": rectangle exceeds buffer '" +
+                  std::string(d.name()) + "'");
+  }
+  static void check_broadcast(const Sub<float>& d, const Sub<float>& v, bool per_row,
+                              std::string_view name) {
+    if (v.size() != (per_row ? d.rows : d.cols))
+      throw Error("a2a3 " + std::string(name) + ": broadcast operand '" + std::string(v.name()) +
+                  "' has " + std::to_string(v.size()) + " values");
+  }
+  static float at(const Sub<float>& v, index_t i) { return v(i / v.cols, i % v.cols); }
+
+  template <class Op>
+  void binary(std::string_view name, Unit u, Sub<float> d, Sub<float> a, Sub<float> b, Op op) {
+    check_vec(d, name);
+    check_same(d, a, name);
+    check_same(d, b, name);
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r)
+        for (index_t c = 0; c < d.cols; ++c) d(r, c) = op(a(r, c), b(r, c));
+    issue(Pipe::vector, name, vector_cycles(d.size(), 4, u), {a.state(), b.state()}, {d.state()});
+  }
+  template <class Op>
+  void unary(std::string_view name, Unit u, Sub<float> d, Sub<float> a, Op op) {
+    check_vec(d, name);
+    check_same(d, a, name);
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r)
+        for (index_t c = 0; c < d.cols; ++c) d(r, c) = op(a(r, c));
+    issue(Pipe::vector, name, vector_cycles(d.size(), 4, u), {a.state()}, {d.state()});
+  }
+  template <class Op>
+  void broadcast(std::string_view name, Unit u, bool per_row, Sub<float> d, Sub<float> a,
+                 Sub<float> v, Op op) {
+    check_vec(d, name);
+    check_same(d, a, name);
+    check_broadcast(d, v, per_row, name);
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r)
+        for (index_t c = 0; c < d.cols; ++c) d(r, c) = op(a(r, c), at(v, per_row ? r : c));
+    issue(Pipe::vector, name, vector_cycles(d.size(), 4, u), {a.state(), v.state()}, {d.state()});
+  }
+  void reduce(std::string_view name, Sub<float> d, Sub<float> a, bool sum) {
+    check_vec(d, name);
+    if (d.size() != a.rows)
+      throw Error("a2a3 " + std::string(name) + ": destination holds " + std::to_string(d.size()) +
+                  " values for " + std::to_string(a.rows) + " rows");
+    const index_t blk = index_t(arch_->vector_bytes_per_cycle / 4);
+    if (functional_)
+      for (index_t r = 0; r < a.rows; ++r) {
+        float acc = 0.0f;
+        for (index_t c0 = 0; c0 < a.cols; c0 += blk) {
+          float part[64];
+          index_t n = std::min(blk, a.cols - c0);
+          for (index_t c = 0; c < n; ++c) part[c] = a(r, c0 + c);
+          // Pairwise tree inside one 256-B block.
+          while (n > 1) {
+            const index_t h = (n + 1) / 2;
+            for (index_t i = 0; i + h < n; ++i)
+              part[i] = sum ? part[i] + part[i + h] : max_nan(part[i], part[i + h]);
+            n = h;
+          }
+          acc = c0 == 0 ? part[0] : (sum ? acc + part[0] : max_nan(acc, part[0]));
+        }
+        d(r / d.cols, r % d.cols) = acc;
+      }
+    issue(Pipe::vector, name, reduce_cycles(a.rows, a.cols), {a.state()}, {d.state()});
+  }
+  static void merge_row(ScorePair* dst, const ScorePair* src, index_t n, index_t run, int ways,
+                        index_t keep) {
+    for (index_t g = 0; g < n; g += run * ways) {
+      std::array<index_t, 4> pos{}, end{};
+      for (int w = 0; w < ways; ++w) {
+        pos[std::size_t(w)] = std::min(n, g + w * run);
+        end[std::size_t(w)] = std::min(n, g + (w + 1) * run);
+      }
+      const index_t total = std::min(end[std::size_t(ways - 1)] - g, keep);
+      for (index_t o = 0; o < total; ++o) {
+        int best = -1;
+        for (int w = 0; w < ways; ++w) {
+          if (pos[std::size_t(w)] >= end[std::size_t(w)]) continue;
+          if (best < 0 || pair_before(src[pos[std::size_t(w)]], src[pos[std::size_t(best)]]))
+            best = w;
+        }
+        dst[g + o] = src[pos[std::size_t(best)]++];
+      }
+    }
   }
 };
 

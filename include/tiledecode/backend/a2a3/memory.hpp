@@ -137,6 +137,36 @@ class Tile {
   std::string_view name_;
 };
 
+// A rectangle of a local tile: rows [r0, r0 + rows) x columns [c0, c0 + cols). The operand type of
+// the vector instructions (machine.hpp); it shares the tile's dependency state, so an instruction
+// on part of a buffer orders against every other access to that buffer.
+template <class T>
+struct Sub {
+  Tile<T> tile;
+  index_t r0 = 0, c0 = 0, rows = 0, cols = 0;
+
+  Sub() = default;
+  Sub(Tile<T> t)  // NOLINT: a whole tile is a rectangle
+      : tile(t), rows(t.rows()), cols(t.cols()) {}
+  Sub(Tile<T> t, index_t row0, index_t n_rows, index_t col0, index_t n_cols)
+      : tile(t), r0(row0), c0(col0), rows(n_rows), cols(n_cols) {}
+  T& operator()(index_t r, index_t c) const { return tile(r0 + r, c0 + c); }
+  index_t size() const { return rows * cols; }
+  Space space() const { return tile.space(); }
+  BufferState* state() const { return &tile.state(); }
+  std::string_view name() const { return tile.name(); }
+};
+
+// Rows [r0, r0 + n) of a tile (all columns), or a rectangle.
+template <class T>
+Sub<T> rows_of(Tile<T> t, index_t r0, index_t n) {
+  return Sub<T>(t, r0, n, 0, t.cols());
+}
+template <class T>
+Sub<T> part(Tile<T> t, index_t r0, index_t n_rows, index_t c0, index_t n_cols) {
+  return Sub<T>(t, r0, n_rows, c0, n_cols);
+}
+
 // One core's instance of one local space: a bump allocator over an arena of the space's capacity
 // with plan-time capacity checks and a peak-occupancy counter.
 class LocalMemory {

@@ -91,6 +91,7 @@ inline bool cpu_has_avx2_vnni() {
 #endif
 }
 
+// False for a value that names no tier (an enum is range-checked like every argument).
 inline bool cpu_supports(Isa isa) {
   switch (isa) {
     case Isa::avx2:
@@ -98,9 +99,9 @@ inline bool cpu_supports(Isa isa) {
     case Isa::avx2_vnni:
       return cpu_has_avx2_vnni();
     case Isa::scalar:
-      break;
+      return true;
   }
-  return true;
+  return false;
 }
 
 // The best ISA this machine runs.
@@ -122,7 +123,11 @@ inline Isa checked_isa(Isa requested) {
     std::string allowed;
     for (Isa isa : supported_isas())
       allowed += (allowed.empty() ? "" : ", ") + std::string(to_string(isa));
-    throw Error("cpu::checked_isa: argument 'isa' = " + std::string(to_string(requested)) +
+    const bool named =
+        requested == Isa::scalar || requested == Isa::avx2 || requested == Isa::avx2_vnni;
+    throw Error("cpu::checked_isa: argument 'isa' = " +
+                (named ? std::string(to_string(requested))
+                       : std::to_string(static_cast<int>(requested)) + " (not a tier)") +
                 " is not supported by this CPU; allowed " + allowed);
   }
   return requested;
