@@ -43,6 +43,7 @@
 #include "tiledecode/backend/a2a3/indexer.hpp"
 #include "tiledecode/backend/a2a3/layer.hpp"
 #include "tiledecode/backend/a2a3/machine.hpp"
+#include "tiledecode/backend/a2a3/output_projection.hpp"
 #include "tiledecode/backend/a2a3/qkv_projection.hpp"
 #include "tiledecode/backend/a2a3/sparse_attention.hpp"
 #include "tiledecode/decode/step.hpp"
@@ -446,24 +447,21 @@ a2::LayerReport predict_a2a3_layer(a2::Machine& m, const td::ModelConfig& cfg,
     r.kernels.push_back(a2::indexer(m, in, {score.view(), topk.view()}, iws, cfg,
                                     a2::ScoreDesign::fused, a2::kIdxRingSlots, &inner));
   }
-  a2::SparseAttnWorkspace sws(int(T), kind, cfg);
-  const a2::SparseAttnInputs sin{kind,
-                                 q.view(),
-                                 kv_cache_after,
-                                 md.window_indices(),
-                                 md.window_lens(),
-                                 pools.cmp_kv.view(),
-                                 md.tables().cmp_block_table,
-                                 topk.view(),
-                                 pos,
-                                 md.kv_seq_lens(),
-                                 w.attn_sink,
-                                 rope,
-                                 w.wo_a,
-                                 w.wo_b,
-                                 w.wo_b_scale,
-                                 sh.seq};
-  r.kernels.push_back(a2::sparse_attention(m, sin, out.view(), sws, cfg));
+  {
+    const a2::Context ctx{&m, nullptr};
+    std::vector<std::byte> sws(
+        std::max(td::kernels::sparse_attention_workspace_bytes(ctx, cfg, kind, T),
+                 td::kernels::output_projection_workspace_bytes(ctx, cfg, T)));
+    td::Tensor<td::bf16, 2> o_packed({index_t(cfg.o_groups) * T, cfg.o_group_in()});
+    m.begin_kernel(std::string("sparse_attn_") + std::string(td::to_string(kind)));
+    td::kernels::sparse_attention(ctx, cfg, kind, o_packed.view(), q.view(), kv_cache_after,
+                                  pools.cmp_kv.view(), md.window_indices(), md.window_lens(),
+                                  topk.view(), md.tables().cmp_block_table, pos, md.kv_seq_lens(),
+                                  sh.seq, w.attn_sink, rope, sws);
+    td::kernels::output_projection(ctx, cfg, out.view(), o_packed.view(), w.wo_a, w.wo_b,
+                                   w.wo_b_scale, sws);
+    r.kernels.push_back(m.end_kernel());
+  }
   r.kernels.push_back(a2::hc_post_timing(m, cfg, T));
   return r;
 }

@@ -28,6 +28,7 @@
 #include "tiledecode/backend/a2a3/indexer.hpp"
 #include "tiledecode/backend/a2a3/layer.hpp"
 #include "tiledecode/backend/a2a3/machine.hpp"
+#include "tiledecode/backend/a2a3/output_projection.hpp"
 #include "tiledecode/backend/a2a3/qkv_projection.hpp"
 #include "tiledecode/backend/a2a3/sparse_attention.hpp"
 #include "tiledecode/backend/a2a3/trace.hpp"
@@ -113,23 +114,22 @@ struct Fixture {
             weights_proj.view(), hadamard.view(),  rope_csa.view(),  pos.view(),  lens.view(),
             idx_kv.view(),       idx_scale.view(), idx_table.view(), sh.seq,      0};
   }
-  a2::SparseAttnInputs sparse_inputs(td::LayerKind kind) const {
-    return {kind,
-            q.view(),
-            ori_kv.view(),
-            widx.view(),
-            wlens.view(),
-            cmp_kv.view(),
-            cmp_table.view(),
-            topk.view(),
-            pos.view(),
-            lens.view(),
-            sink.view(),
-            kind == td::LayerKind::swa ? rope_swa.view() : rope_csa.view(),
-            wo_a.view(),
-            wo_b.view(),
-            wo_b_scale.view(),
-            sh.seq};
+  // Sparse attention + the grouped o-projection, reported as one kernel (the reference's
+  // measured `decode_sparse_attn` covers both).
+  td::Tensor<td::bf16, 2> o_packed{{8 * 8, 4096}};
+  a2::KernelReport sparse_attention(a2::Machine& m, td::LayerKind kind) {
+    const a2::Context ctx{&m, nullptr};
+    std::vector<std::byte> ws(
+        std::max(td::kernels::sparse_attention_workspace_bytes(ctx, cfg, kind, T),
+                 td::kernels::output_projection_workspace_bytes(ctx, cfg, T)));
+    m.begin_kernel(std::string("sparse_attn_") + std::string(td::to_string(kind)));
+    td::kernels::sparse_attention(
+        ctx, cfg, kind, o_packed.view(), q.view(), ori_kv.view(), cmp_kv.view(), widx.view(),
+        wlens.view(), topk.view(), cmp_table.view(), pos.view(), lens.view(), sh.seq, sink.view(),
+        kind == td::LayerKind::swa ? rope_swa.view() : rope_csa.view(), ws);
+    td::kernels::output_projection(ctx, cfg, out.view(), o_packed.view(), wo_a.view(), wo_b.view(),
+                                   wo_b_scale.view(), ws);
+    return m.end_kernel();
   }
 };
 
@@ -257,9 +257,7 @@ int main(int argc, char** argv) {
         a2::indexer(m, f.indexer_inputs(), {f.score.view(), f.topk.view()}, iws, cfg,
                     a2::ScoreDesign::fused, a2::kIdxRingSlots, &inner_step);
     csa.kernels.push_back(fused);
-    a2::SparseAttnWorkspace sws(int(f.T), td::LayerKind::csa, cfg);
-    const a2::KernelReport sparse =
-        a2::sparse_attention(m, f.sparse_inputs(td::LayerKind::csa), f.out.view(), sws, cfg);
+    const a2::KernelReport sparse = f.sparse_attention(m, td::LayerKind::csa);
     csa.kernels.push_back(sparse);
     csa.kernels.push_back(a2::hc_post_timing(m, cfg, f.T));
 
@@ -283,16 +281,12 @@ int main(int argc, char** argv) {
     hca.kernels.push_back(a2::compressor(m2, cmp128.inputs(f),
                                          {cmp128.state_pool.view(), f.cmp_kv.view(), {}, {}},
                                          cmp128.ws, cfg, false));
-    a2::SparseAttnWorkspace hws(int(f.T), td::LayerKind::hca, cfg);
-    hca.kernels.push_back(
-        a2::sparse_attention(m2, f.sparse_inputs(td::LayerKind::hca), f.out.view(), hws, cfg));
+    hca.kernels.push_back(f.sparse_attention(m2, td::LayerKind::hca));
     hca.kernels.push_back(a2::hc_post_timing(m2, cfg, f.T));
     a2::LayerReport swa{td::LayerKind::swa, a2::layer_pre_timing(m2, cfg, f.T)};
     swa.kernels.push_back(run_qkv(m2, f.rope_swa));
     swa.kernels.push_back(a2::cache_write_timing(m2, cfg, f.T));
-    a2::SparseAttnWorkspace wws(int(f.T), td::LayerKind::swa, cfg);
-    swa.kernels.push_back(
-        a2::sparse_attention(m2, f.sparse_inputs(td::LayerKind::swa), f.out.view(), wws, cfg));
+    swa.kernels.push_back(f.sparse_attention(m2, td::LayerKind::swa));
     swa.kernels.push_back(a2::hc_post_timing(m2, cfg, f.T));
 
     if (!trace_file.empty()) {

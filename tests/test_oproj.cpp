@@ -12,8 +12,8 @@
 #include "common/compare.hpp"
 #include "common/random.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
+#include "tiledecode/backend/cpu/output_projection.hpp"
 #include "tiledecode/golden/output_projection.hpp"
-#include "tiledecode/kernels/output_projection.hpp"
 
 namespace td = tiledecode;
 using td::bf16;

@@ -22,10 +22,10 @@
 #include "common/random.hpp"
 #include "common/sparse_attn_fixture.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
+#include "tiledecode/backend/cpu/output_projection.hpp"
 #include "tiledecode/backend/cpu/sparse_attention.hpp"
 #include "tiledecode/golden/output_projection.hpp"
 #include "tiledecode/golden/sparse_attention.hpp"
-#include "tiledecode/kernels/output_projection.hpp"
 #include "tiledecode/paged/metadata.hpp"
 #include "tiledecode/rope/rope.hpp"
 

@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "tiledecode/backend/cpu/output_projection.hpp"
 #include "tiledecode/backend/cpu/sparse_attention.hpp"
 #include "tiledecode/decode/step.hpp"
 #include "tiledecode/decode/workspace.hpp"
@@ -15,7 +16,6 @@
 #include "tiledecode/golden/output_projection.hpp"
 #include "tiledecode/golden/sparse_attention.hpp"
 #include "tiledecode/kernels/compressor.hpp"
-#include "tiledecode/kernels/output_projection.hpp"
 #include "tiledecode/kernels/topk.hpp"
 
 #if __has_include("tiledecode/kernels/indexer.hpp")

@@ -5,6 +5,7 @@
 
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/backend/cpu/isa.hpp"
+#include "tiledecode/backend/cpu/output_projection.hpp"
 #include "tiledecode/backend/cpu/sparse_attention.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/config.hpp"
@@ -17,7 +18,6 @@
 #include "tiledecode/kernels/compressor.hpp"
 #include "tiledecode/kernels/hyper_connection.hpp"
 #include "tiledecode/kernels/indexer.hpp"
-#include "tiledecode/kernels/output_projection.hpp"
 #include "tiledecode/kernels/qkv_projection.hpp"
 #include "tiledecode/kernels/rmsnorm.hpp"
 #include "tiledecode/kernels/topk.hpp"

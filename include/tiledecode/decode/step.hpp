@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "tiledecode/backend/cpu/output_projection.hpp"
 #include "tiledecode/backend/cpu/sparse_attention.hpp"
 #include "tiledecode/core/config.hpp"
 #include "tiledecode/core/error.hpp"
@@ -42,7 +43,6 @@
 #include "tiledecode/kernels/compressor.hpp"
 #include "tiledecode/kernels/hyper_connection.hpp"
 #include "tiledecode/kernels/indexer.hpp"
-#include "tiledecode/kernels/output_projection.hpp"
 #include "tiledecode/kernels/qkv_projection.hpp"
 #include "tiledecode/kernels/rmsnorm.hpp"
 #include "tiledecode/paged/cache.hpp"

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <span>
 
+#include "tiledecode/backend/cpu/output_projection.hpp"
 #include "tiledecode/backend/cpu/sparse_attention.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/config.hpp"
@@ -24,7 +25,6 @@
 #include "tiledecode/kernels/compressor.hpp"
 #include "tiledecode/kernels/hyper_connection.hpp"
 #include "tiledecode/kernels/indexer.hpp"
-#include "tiledecode/kernels/output_projection.hpp"
 #include "tiledecode/kernels/qkv_projection.hpp"
 
 namespace tiledecode::decode {

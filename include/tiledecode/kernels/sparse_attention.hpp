@@ -78,13 +78,11 @@ struct SparseAttentionArgs {
   int n_blocks() const { return cols.n_blocks(); }
 };
 
-// One work item: token t, heads [h0, h0 + nh), blocks [beta0, beta1). `final`: the item covers
-// every block of the token and writes its packed rows; otherwise it leaves a partial.
+// One work item: token t, heads [h0, h0 + nh), blocks [beta0, beta1).
 struct AttentionItem {
   index_t t = 0;
   int h0 = 0, nh = 0;
   int beta0 = 0, beta1 = 0;
-  bool final = true;
 };
 
 inline SparseAttentionArgs sparse_attention_args(
@@ -209,10 +207,10 @@ void sparse_attention_program(const B& be, const SparseAttentionArgs& a,
       Ops::block_softmax(lane, it);   // m_β, l_β, P = bf16(exp(S − m_β))
       Ops::merge_block(lane, it);     // (m, l, O) ← merge((m, l, O), (m_β, l_β, P·K))
     }
-    if (it.final)
-      Ops::finish(lane, a, it);  // O / (l + e^(sink − m)), inverse RoPE, packed BF16 rows
+    if constexpr (Ops::split_blocks)
+      Ops::store_partial(lane, a, it);  // the item's (m, l, O) for stage 2
     else
-      Ops::store_partial(lane, a, it);
+      Ops::finish(lane, a, it);  // O / (l + e^(sink − m)), inverse RoPE, packed BF16 rows
   });
   // Stage 2 (split-block schedules only): merge the partials of each (token, head tile).
   if constexpr (Ops::split_blocks) {

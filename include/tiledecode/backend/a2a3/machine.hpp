@@ -233,6 +233,19 @@ class Core {
       traffic_.ub_out += bytes;
   }
 
+  // --- SCALAR: one metadata rule evaluated on the scalar unit (address generation through a
+  // block table, column masks, work orders). The rule is a type: `name`, `elements()` and the
+  // scalar instructions it executes per element, `kScalarOps` (counted at its definition), plus
+  // `run()`, which computes it on the block's tiles. Timed at arch.scalar_cycles_per_op.
+  template <class Rule>
+  void scalar_rule(const Rule& rule, std::initializer_list<BufferState*> reads,
+                   std::initializer_list<BufferState*> writes) {
+    if (functional_) rule.run();
+    issue(Pipe::scalar, Rule::name,
+          double(rule.elements()) * double(Rule::kScalarOps) * arch_->scalar_cycles_per_op, reads,
+          writes);
+  }
+
   // --- scalar work (metadata walks, loop bookkeeping): `ops` scalar instructions.
   template <class F>
   void scalar(std::string_view name, double ops, std::initializer_list<BufferState*> reads,
@@ -425,6 +438,20 @@ class VectorCore : public Core {
     return c;
   }
 
+  // ---- a metadata rule evaluated with whole-tile ALU instructions (compare, select, shift, mask,
+  // gather, multiply-add over index lanes): the rule is a type with `name`, `elements()`, the
+  // element width `kElemBytes` and the number of ALU instructions its vectorised form issues,
+  // `kVectorOps` (counted at its definition); `run()` computes it on the block's tiles. Timed as
+  // kVectorOps alu instructions over elements() lanes.
+  template <class Rule>
+  void vector_rule(const Rule& rule, std::initializer_list<BufferState*> reads,
+                   std::initializer_list<BufferState*> writes) {
+    if (functional_) rule.run();
+    issue(Pipe::vector, Rule::name,
+          double(Rule::kVectorOps) * vector_cycles(rule.elements(), Rule::kElemBytes), reads,
+          writes);
+  }
+
   // ---- element-wise, same-shape operands: d = a (op) b
   void vadd(Sub<float> d, Sub<float> a, Sub<float> b, std::string_view name = "vadd") {
     binary(name, Unit::alu, d, a, b, [](float x, float y) { return x + y; });
@@ -563,6 +590,17 @@ class VectorCore : public Core {
     if (functional_)
       for (index_t r = 0; r < d.rows; ++r)
         for (index_t c = 0; c < d.cols; ++c) d(r, c) = a(r, c / 2);
+    issue(Pipe::vector, name, vector_cycles(d.size(), 4), {a.state()}, {d.state()});
+  }
+  // d[2i] = a[2i] * even, d[2i + 1] = a[2i + 1] * odd (Muls under an alternating mask: folds the
+  // RoPE pair signs into an interleaved sin row)
+  void vsign_pairs(Sub<float> d, Sub<float> a, float even, float odd,
+                   std::string_view name = "vsign_pairs") {
+    check_vec(d, name);
+    check_same(d, a, name);
+    if (functional_)
+      for (index_t r = 0; r < d.rows; ++r)
+        for (index_t c = 0; c < d.cols; ++c) d(r, c) = a(r, c) * (c % 2 == 0 ? even : odd);
     issue(Pipe::vector, name, vector_cycles(d.size(), 4), {a.state()}, {d.state()});
   }
   // Columns >= n of every row of d take `value` (Select with a column mask: the score tail).
@@ -982,8 +1020,15 @@ class Machine {
   }
 
   // Starts a kernel; launches until end_kernel() are its scopes.
-  void begin_kernel(std::string_view name) { current_ = KernelReport{std::string(name), {}}; }
-  KernelReport end_kernel() { return std::move(current_); }
+  void begin_kernel(std::string_view name) {
+    current_ = KernelReport{std::string(name), {}};
+    in_kernel_ = true;
+  }
+  KernelReport end_kernel() {
+    in_kernel_ = false;
+    return std::move(current_);
+  }
+  bool in_kernel() const { return in_kernel_; }
 
   // SPMD launch of `n_blocks` mixed blocks (1 AIC + 2 AIV each). Block u runs on cube core
   // u % 24 and vector cores 2(u % 24), 2(u % 24) + 1; blocks beyond one wave queue on the same
@@ -1103,6 +1148,7 @@ class Machine {
   std::vector<std::unique_ptr<CubeCore>> cubes_;
   std::vector<std::unique_ptr<VectorCore>> vecs_;
   KernelReport current_;
+  bool in_kernel_ = false;
   bool tracing_ = false;
   double clock_us_ = 0;
   std::vector<TraceEvent> trace_;

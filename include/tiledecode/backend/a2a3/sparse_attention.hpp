@@ -1,31 +1,27 @@
 #pragma once
-// Sparse attention with the grouped output projection (spec §8) scheduled on the a2a3 model,
-// following the device design of §8.6 (CSA `decode_sparse_attn`); the SWA and HCA variants use
-// the same launches with their own column lists (§8.1).
+// Sparse attention (kernels/sparse_attention.hpp) on the a2a3 model: the op set of the shared tile
+// program and its schedule, after the device design of spec §8.6 (CSA `decode_sparse_attn`; the
+// SWA and HCA variants run the same launches with their own column lists, spec §8.1).
 //
-// Launch sequence:
-//   plan        vector, 1 block (scalar walk): per token the 128 window rows + the compressed
-//               rows (CSA: top-k masked by (pos+1)//4 through cmp_block_table; HCA: 0..n_t-1;
-//               SWA: none) as physical row ids (-1 = invalid), the additive bias (0 / -1e20),
-//               the live-block mask (block 0 always live) and the work order (live items first).
-//   qk_pv       mixed, 24 blocks (= AIC count); lane c takes live items c, c+24, ...: gather
-//               128 KV rows into L1 (one DMA per row: issue-bound), then for 2 batches of 32
-//               heads: cube S = q.K^T (K tiles of 128) -> ring -> vector (16 heads per AIV)
-//               s*scale + bias, rowmax, exp, rowsum, bf16(P) -> ring -> cube O = P.K -> ring ->
-//               vector stores (m, l, o) per 16-head tile to a GM scratch.
-//   merge_norm  vector, T x H/16 blocks: merge over live blocks (§8.3), sink, 1/den, inverse RoPE
-//               at pos_t, BF16, one packed 512-wide store per head row into o_packed
-//               (O_GROUPS*T, 4096) (PR #831).
-//   proj_a      cube, O_GROUPS x 8 blocks (N fragments of 128, K tile 256): o_r = o_packed . wo_a^T
-//   quant       vector, T x O_GROUPS blocks: Q8 per (token, group) over 1024
-//   proj_b      cube, O_GROUPS x 8 blocks (D chunks of 512, K tile 256): INT32 partials
-//               (T, O_GROUPS*D)
-//   proj_b_act  vector, T x 4 blocks: sum_g a_dq * partial (fixed g order), x wo_b_scale, BF16.
-// Cube row tiles are padded to 16 rows (T = 8): the model charges whole fractals.
-//
-// Choices: an all-invalid block is skipped (device behaviour, §11.9) and ignored by the merge;
-// the golden's (m=-1e20, l=0, o=0) block contributes nothing either, so results agree. A token
-// with no live column at all outputs 0 (cannot happen: the current token is in its window).
+//   plan        vector, 1 block: the column rule (rules/attention.hpp) for every (token, block) on
+//               the scalar unit -> physical rows (-1 invalid), the additive bias (0 / MASK_NEG),
+//               the live-block mask (block 0 always live) and the work order (live items first)
+//   qk_pv       mixed, 24 blocks (= AIC count), the program's stage 1: lane c takes live items
+//               c, c + 24, ... = (token, block): gather 128 KV rows into L1 (one DMA per row: a
+//               sparse gather is issue-bound), then for batches of 32 heads: cube S = q·Kᵀ (K
+//               tiles of 128) -> ring -> vector (16 heads per AIV) scale + bias, row max, exp, row
+//               sum, bf16(P) -> ring -> cube O = P·K -> ring -> vector stores (m, l, O) of the item
+//               (one block: the partial) to GM scratch
+//   rope_cs     vector, 1 block (spec §8.6 item 3): per token the interleaved cos row and the
+//               sign-folded sin row of the inverse rotation, to GM
+//   merge_norm  vector, T x H/16 blocks, the program's stage 2: merge the live partials in block
+//               order (spec §8.3), sink, 1/den, inverse RoPE, BF16, one packed 512-wide store per
+//               head row (PR #831)
+// Cube row tiles are padded to 16 rows by the cost model (whole fractals).
+// The all-invalid block rule: such a block is skipped (device behaviour, §11.9) and ignored by the
+// merge — except block 0, which the device always computes; with no valid window row it yields
+// (m = MASK_NEG-ish, l = 128, O = 0), whose weight vanishes next to any valid block, and a token
+// without any valid column outputs 0 as on the CPU.
 
 #include <algorithm>
 #include <array>
@@ -33,573 +29,504 @@
 #include <cstdint>
 #include <span>
 #include <string>
-#include <vector>
 
+#include "tiledecode/backend/a2a3/backend.hpp"
 #include "tiledecode/backend/a2a3/machine.hpp"
 #include "tiledecode/backend/a2a3/memory.hpp"
 #include "tiledecode/core/bf16.hpp"
-#include "tiledecode/core/config.hpp"
-#include "tiledecode/core/error.hpp"
-#include "tiledecode/core/quant.hpp"
-#include "tiledecode/core/view.hpp"
-#include "tiledecode/rope/rope.hpp"
+#include "tiledecode/kernels/sparse_attention.hpp"
 
 namespace tiledecode::a2a3 {
 
-inline constexpr int kAttnTile = 128;  // K columns per block
-inline constexpr int kHeadBatch = 32;  // heads per cube QK/PV batch
-inline constexpr int kVecHeads = 16;   // heads per AIV (and per merge_norm block)
-inline constexpr int kHeadDim = 512;
+namespace sparse_attention_detail {
 
-// Static UB plan of the qk_pv vector side (per AIV): S ring, O ring, softmax work buffers.
-using AttnSSlot = StaticTile<float, Space::ub, kVecHeads, kAttnTile>;  // 8 KiB
-using AttnOSlot = StaticTile<float, Space::ub, kVecHeads, kHeadDim>;   // 32 KiB
-using AttnWork = StaticTile<float, Space::ub, kVecHeads, kAttnTile>;
-using AttnP = StaticTile<bf16, Space::ub, kVecHeads, kAttnTile>;
-static_assert(
-    fits_v<Space::ub, Replicated<AttnSSlot, 2>, Replicated<AttnOSlot, 2>, AttnWork, AttnP>);
-// L1 of the cube side: q of one token (64 x 512 BF16) + double-buffered gathered K (128 x 512).
-static_assert(fits_v<Space::l1, StaticTile<bf16, Space::l1, 64, kHeadDim>,
-                     Replicated<StaticTile<bf16, Space::l1, kAttnTile, kHeadDim>, 2>,
-                     Replicated<StaticTile<bf16, Space::l1, kVecHeads, kAttnTile>, 4>>);
+inline constexpr int kTile = 128;     // K columns per block
+inline constexpr int kHeadDim = 512;  // head_dim
+// Heads per cube QK/PV batch (spec §8.6: batches of 32 heads), and per AIV (half a batch).
+constexpr int head_batch(int H) {
+  return H < 32 ? H : 32;
+}
 
-struct SparseAttnInputs {
-  LayerKind kind = LayerKind::csa;
-  ConstView<bf16, 3> q;                        // (T, H, 512)
-  ConstView<bf16, 2> ori_kv;                   // (ori pool rows, 512)
-  ConstView<std::int32_t, 2> window_idx;       // (T, 128) physical ori rows, -1 invalid
-  ConstView<std::int32_t, 1> window_lens;      // (T) columns k >= lens are invalid
-  ConstView<bf16, 2> cmp_kv;                   // (cmp pool rows, 512); unused for SWA
-  ConstView<std::int32_t, 2> cmp_block_table;  // (B, cols); unused for SWA
-  ConstView<std::int32_t, 2> topk;             // (T, >= idx_topk) CSA compressed ids; else unused
-  ConstView<std::int32_t, 1> positions;        // (T)
-  ConstView<std::int32_t, 1> kv_seq_lens;      // (B) (HCA n_t bound)
-  ConstView<float, 1> attn_sink;               // (H)
-  RopeTableView rope;                          // table of the layer kind (inverse RoPE at pos_t)
-  ConstView<bf16, 3> wo_a;                     // (O_GROUPS, O_LORA, 8*512)
-  ConstView<std::int8_t, 2> wo_b;              // (D, O_GROUPS*O_LORA)
-  ConstView<float, 1> wo_b_scale;              // (D)
-  int seq = 2;                                 // S
-};
+// Static UB plan of the qk_pv vector side (per AIV, 16 heads): S ring, O ring, softmax buffers.
+using SSlot = StaticTile<float, Space::ub, 16, kTile>;     // 8 KiB
+using OSlot = StaticTile<float, Space::ub, 16, kHeadDim>;  // 32 KiB
+using SWork = StaticTile<float, Space::ub, 16, kTile>;
+using PTile = StaticTile<bf16, Space::ub, 16, kTile>;
+static_assert(fits_v<Space::ub, Replicated<SSlot, 2>, Replicated<OSlot, 2>, SWork, PTile>);
+// L1 of the cube side: q of one token (128 heads x 512 BF16, pro) + double-buffered gathered K
+// (128 x 512) + the P ring slots of both AIVs.
+static_assert(fits_v<Space::l1, StaticTile<bf16, Space::l1, 128, kHeadDim>,
+                     Replicated<StaticTile<bf16, Space::l1, kTile, kHeadDim>, 2>,
+                     Replicated<StaticTile<bf16, Space::l1, 16, kTile>, 4>>);
 
-// GM workspaces of the launches.
-struct SparseAttnWorkspace {
-  Tensor<std::int32_t, 2> rows;     // (T, cols) physical row per column (-1 invalid); column
-                                    // block 0 = window (ori pool), blocks 1.. = compressed pool
-  Tensor<float, 2> bias;            // (T, cols)
-  Tensor<std::int32_t, 2> live;     // (T, blocks) 1 = block has a valid column
-  Tensor<std::int32_t, 1> order;    // (T*blocks) work order: live items first, then empty
-  Tensor<float, 3> m, l;            // (T, blocks, H)
-  Tensor<float, 4> o;               // (T, blocks, H, 512)
-  Tensor<bf16, 2> o_packed;         // (O_GROUPS*T, 4096)
-  Tensor<float, 3> o_r;             // (T, O_GROUPS, O_LORA)
-  Tensor<std::int8_t, 3> a_i8;      // (T, O_GROUPS, O_LORA)
-  Tensor<float, 2> a_dq;            // (T, O_GROUPS)
-  Tensor<std::int32_t, 2> partial;  // (T, O_GROUPS*D)
-  int cols, blocks;
-  SparseAttnWorkspace(int tokens, LayerKind kind, const ModelConfig& cfg)
-      : cols(cfg.attn_cols(kind)), blocks(cfg.attn_cols(kind) / kAttnTile) {
-    rows = Tensor<std::int32_t, 2>({tokens, cols});
-    bias = Tensor<float, 2>({tokens, cols});
-    live = Tensor<std::int32_t, 2>({tokens, blocks});
-    order = Tensor<std::int32_t, 1>({index_t(tokens) * blocks});
-    m = Tensor<float, 3>({tokens, blocks, cfg.n_heads});
-    l = Tensor<float, 3>({tokens, blocks, cfg.n_heads});
-    o = Tensor<float, 4>({tokens, blocks, cfg.n_heads, cfg.head_dim});
-    o_packed = Tensor<bf16, 2>({index_t(cfg.o_groups) * tokens, cfg.o_group_in()});
-    o_r = Tensor<float, 3>({tokens, cfg.o_groups, cfg.o_lora});
-    a_i8 = Tensor<std::int8_t, 3>({tokens, cfg.o_groups, cfg.o_lora});
-    a_dq = Tensor<float, 2>({tokens, cfg.o_groups});
-    partial = Tensor<std::int32_t, 2>({tokens, index_t(cfg.o_groups) * cfg.hidden});
+// GM scratch of one call.
+struct Scratch {
+  index_t T = 0, cols = 0, NB = 0, H = 0;
+  View<std::int32_t, 2> rows;   // (T, cols) physical row per column, -1 invalid
+  View<float, 2> bias;          // (T, cols) 0 / MASK_NEG
+  View<std::int32_t, 2> live;   // (T, NB) 1 = block computed
+  View<std::int32_t, 1> order;  // (T*NB) live items first
+  View<float, 3> m, l;          // (T, NB, H)
+  View<float, 4> o;             // (T, NB, H, 512)
+  View<float, 3> rope;          // (T, 2, 64): interleaved cos, sign-folded sin (inverse)
+  int n_live = 0;
+
+  static std::array<std::size_t, 1> sizes(index_t T, index_t cols, index_t NB, index_t H) {
+    return {GmArena::bytes<std::int32_t, 2>({T, cols}) + GmArena::bytes<float, 2>({T, cols}) +
+            GmArena::bytes<std::int32_t, 2>({T, NB}) + GmArena::bytes<std::int32_t, 1>({T * NB}) +
+            2 * GmArena::bytes<float, 3>({T, NB, H}) + GmArena::bytes<float, 4>({T, NB, H, 512}) +
+            GmArena::bytes<float, 3>({T, 2, 64})};
+  }
+  Scratch(std::span<std::byte> ws, index_t tokens, index_t n_cols, index_t n_blocks, index_t heads)
+      : T(tokens), cols(n_cols), NB(n_blocks), H(heads) {
+    GmArena g(ws);
+    rows = g.take<std::int32_t, 2>({T, cols});
+    bias = g.take<float, 2>({T, cols});
+    live = g.take<std::int32_t, 2>({T, NB});
+    order = g.take<std::int32_t, 1>({T * NB});
+    m = g.take<float, 3>({T, NB, H});
+    l = g.take<float, 3>({T, NB, H});
+    o = g.take<float, 4>({T, NB, H, 512});
+    rope = g.take<float, 3>({T, 2, 64});
   }
 };
 
-namespace detail {
-
-inline void check_sparse_attn(const SparseAttnInputs& in, View<bf16, 2> out,
-                              const SparseAttnWorkspace& ws, const ModelConfig& cfg) {
-  constexpr std::string_view w = "a2a3::sparse_attention";
-  const index_t T = in.positions.extent(0);
-  check_at_least(w, "seq", in.seq, 1);
-  if (T % in.seq != 0) throw_arg(w, "positions.extent(0)", T, "a multiple of seq");
-  const index_t B = T / in.seq;
-  if (cfg.n_heads % kHeadBatch != 0 || cfg.head_dim != kHeadDim || cfg.heads_per_group() != 8)
-    throw_arg(w, "cfg.n_heads", cfg.n_heads, "a multiple of 32 heads of 512, 8 heads per group");
-  check_equal(w, "q.extent(0)", in.q.extent(0), T);
-  check_equal(w, "q.extent(1)", in.q.extent(1), index_t(cfg.n_heads));
-  check_equal(w, "q.extent(2)", in.q.extent(2), index_t(cfg.head_dim));
-  check_equal(w, "ori_kv.extent(1)", in.ori_kv.extent(1), index_t(cfg.head_dim));
-  check_equal(w, "window_idx.extent(0)", in.window_idx.extent(0), T);
-  check_equal(w, "window_idx.extent(1)", in.window_idx.extent(1), index_t(cfg.window));
-  check_equal(w, "window_lens.extent(0)", in.window_lens.extent(0), T);
-  check_equal(w, "kv_seq_lens.extent(0)", in.kv_seq_lens.extent(0), B);
-  check_equal(w, "attn_sink.extent(0)", in.attn_sink.extent(0), index_t(cfg.n_heads));
-  check_equal(w, "wo_a.extent(0)", in.wo_a.extent(0), index_t(cfg.o_groups));
-  check_equal(w, "wo_a.extent(1)", in.wo_a.extent(1), index_t(cfg.o_lora));
-  check_equal(w, "wo_a.extent(2)", in.wo_a.extent(2), index_t(cfg.o_group_in()));
-  check_equal(w, "wo_b.extent(0)", in.wo_b.extent(0), index_t(cfg.hidden));
-  check_equal(w, "wo_b.extent(1)", in.wo_b.extent(1), index_t(cfg.o_groups) * cfg.o_lora);
-  check_equal(w, "wo_b_scale.extent(0)", in.wo_b_scale.extent(0), index_t(cfg.hidden));
-  check_equal(w, "out.extent(0)", out.extent(0), T);
-  check_equal(w, "out.extent(1)", out.extent(1), index_t(cfg.hidden));
-  check_equal(w, "ws.cols", index_t(ws.cols), index_t(cfg.attn_cols(in.kind)));
-  check_equal(w, "ws.rows.extent(0)", ws.rows.extent(0), T);
-  if (in.kind != LayerKind::swa) {
-    check_equal(w, "cmp_kv.extent(1)", in.cmp_kv.extent(1), index_t(cfg.head_dim));
-    check_equal(w, "cmp_block_table.extent(0)", in.cmp_block_table.extent(0), B);
+// The column rule (rules/attention.hpp) in whole-tile vector instructions over the T x cols index
+// lanes: for every (token, block) the 128 physical rows, the bias and the live flag. Vectorised:
+// two compares (lens or visibility bound, sign), a select, a shift and a mask (page, row in page),
+// a gather of the table entries, a multiply-add (row) and the bias select = 8 ALU instructions.
+struct PlanRule {
+  static constexpr std::string_view name = "build_plan";
+  static constexpr int kVectorOps = 8;
+  static constexpr std::size_t kElemBytes = 4;
+  const kernels::SparseAttentionArgs* a;
+  Tile<std::int32_t> rows;  // (T, cols)
+  Tile<float> bias;         // (T, cols)
+  Tile<std::int32_t> live;  // (1, T*NB)
+  index_t elements() const { return rows.size(); }
+  void run() const {
+    const index_t T = rows.rows(), NB = a->n_blocks();
+    for (index_t t = 0; t < T; ++t)
+      for (int bl = 0; bl < int(NB); ++bl) {
+        std::int64_t r[kTile];
+        const int n = rules::attention_block_columns(a->cols, t, bl, r);
+        for (int k = 0; k < kTile; ++k) {
+          rows(t, bl * kTile + k) = std::int32_t(r[k]);
+          bias(t, bl * kTile + k) = r[k] >= 0 ? 0.0f : kMaskNeg;
+        }
+        live(0, t * NB + bl) = (n > 0 || bl == 0) ? 1 : 0;  // block 0 is always computed
+      }
   }
-  if (in.kind == LayerKind::csa) {
-    check_equal(w, "topk.extent(0)", in.topk.extent(0), T);
-    check_at_least(w, "topk.extent(1)", in.topk.extent(1), index_t(cfg.idx_topk));
+};
+// Work order: live (token, block) items first, then the empty ones: 2 scalar ops per item.
+struct OrderRule {
+  static constexpr std::string_view name = "work_order";
+  static constexpr int kScalarOps = 2;
+  Tile<std::int32_t> live;   // (1, n)
+  Tile<std::int32_t> order;  // (1, n)
+  index_t elements() const { return live.cols(); }
+  void run() const {
+    index_t k = 0;
+    for (int pass = 1; pass >= 0; --pass)
+      for (index_t i = 0; i < live.cols(); ++i)
+        if (live(0, i) == pass) order(0, k++) = std::int32_t(i);
   }
-  for (index_t t = 0; t < T; ++t) {
-    check_range<index_t>(w, "positions[" + std::to_string(t) + "]", in.positions(t), 0,
-                         in.rope.length());
-    check_range<index_t>(w, "window_lens[" + std::to_string(t) + "]", in.window_lens(t), 0,
-                         cfg.window + 1);
-    for (index_t k = 0; k < cfg.window; ++k)
-      check_range<index_t>(w, "window_idx", in.window_idx(t, k), -1, in.ori_kv.extent(0));
-  }
-  const index_t cmp_blocks = in.kind == LayerKind::swa ? 0 : in.cmp_kv.extent(0) / kAttnTile;
-  for (index_t b = 0; b < B && in.kind != LayerKind::swa; ++b)
-    for (index_t c = 0; c < in.cmp_block_table.extent(1); ++c)
-      check_range<index_t>(w, "cmp_block_table", in.cmp_block_table(b, c), -1, cmp_blocks);
-}
+};
 
-// Physical compressed row of compressed id `raw` of request b, or -1.
-inline std::int32_t cmp_row(const SparseAttnInputs& in, index_t b, index_t raw) {
-  const index_t col = raw / kAttnTile;
-  if (col >= in.cmp_block_table.extent(1)) return -1;
-  const std::int32_t blk = in.cmp_block_table(b, col);
-  return blk < 0 ? -1 : std::int32_t(blk * kAttnTile + raw % kAttnTile);
-}
+// Buffers of one AIV in qk_pv.
+struct VecBufs {
+  Tile<float> bias, s;
+  std::array<Tile<float>, 2> ml;  // per head batch parity: (2, vh) = m, l
+  Tile<bf16> p;
+};
 
-inline void sparse_plan(Machine& m, const SparseAttnInputs& in, SparseAttnWorkspace& ws,
-                        const ModelConfig& cfg) {
-  const index_t T = in.positions.extent(0), C = ws.cols, NB = ws.blocks;
-  m.launch_vector("sparse_attn.plan", 1, [&](VectorBlock& blk) {
-    VectorCore& v = blk.vec;
-    auto widx = v.alloc<std::int32_t>(Space::ub, "window_idx", T, cfg.window);
-    auto rows = v.alloc<std::int32_t>(Space::ub, "rows", T, C);
-    auto bias = v.alloc<float>(Space::ub, "bias", T, C);
-    auto live = v.alloc<std::int32_t>(Space::ub, "live", 1, T * NB);
-    auto order = v.alloc<std::int32_t>(Space::ub, "order", 1, T * NB);
-    v.copy_in(widx, 0, in.window_idx, "window_idx_in");
-    const index_t n_cmp = C - cfg.window;
-    Tile<std::int32_t> tk;
-    if (in.kind == LayerKind::csa) {
-      tk = v.alloc<std::int32_t>(Space::ub, "topk", T, n_cmp);
-      v.copy_in(tk, 0, in.topk.slice(1, 0, n_cmp), "topk_in");
-    }
-    v.scalar("build_plan", double(T * C), {&widx.state(), tk.data() ? &tk.state() : &widx.state()},
-             {&rows.state(), &bias.state(), &live.state()}, [&] {
-               for (index_t t = 0; t < T; ++t) {
-                 const index_t b = t / in.seq, pos = in.positions(t);
-                 for (index_t k = 0; k < cfg.window; ++k) {
-                   const bool ok = k < in.window_lens(t) && widx(t, k) >= 0;
-                   rows(t, k) = ok ? widx(t, k) : -1;
-                 }
-                 const index_t hca_n = std::min<index_t>(
-                     {index_t(cfg.hca_capacity()), (pos + 1) / 128, in.kv_seq_lens(b) / 128});
-                 for (index_t i = 0; i < n_cmp; ++i) {
-                   std::int32_t r = -1;
-                   if (in.kind == LayerKind::csa) {
-                     const index_t raw = tk(t, i);
-                     if (raw >= 0 && raw < (pos + 1) / 4) r = cmp_row(in, b, raw);
-                   } else if (in.kind == LayerKind::hca && i < hca_n) {
-                     r = cmp_row(in, b, i);
-                   }
-                   rows(t, cfg.window + i) = r;
-                 }
-                 for (index_t c = 0; c < C; ++c) bias(t, c) = rows(t, c) >= 0 ? 0.0f : kMaskNeg;
-                 for (index_t bl = 0; bl < NB; ++bl) {
-                   bool any = bl == 0;  // block 0 (the window) is always live
-                   for (index_t c = bl * kAttnTile; c < (bl + 1) * kAttnTile; ++c)
-                     any = any || rows(t, c) >= 0;
-                   live(0, t * NB + bl) = any ? 1 : 0;
-                 }
-               }
-               index_t n = 0;
-               for (int pass = 1; pass >= 0; --pass)
-                 for (index_t i = 0; i < T * NB; ++i)
-                   if (live(0, i) == pass) order(0, n++) = std::int32_t(i);
-             });
-    v.copy_out(ws.rows.view(), rows, 0, "rows_out");
-    v.copy_out(ws.bias.view(), bias, 0, "bias_out");
-    v.copy_out(View<std::int32_t, 2>(ws.live.data(), {1, T * NB}), live, 0, "live_out");
-    v.copy_out(View<std::int32_t, 2>(ws.order.data(), {1, T * NB}), order, 0, "order_out");
-  });
-}
+// One qk_pv block (1 AIC + 2 AIV) and its buffers, reused by the lane's items.
+struct Lane {
+  MixedBlock* blk;
+  const Scratch* sc;
+  int H, hb, vh;  // heads, heads per cube batch, heads per AIV
+  Tile<bf16> q_l1;
+  std::array<Tile<bf16>, 2> k_l1, qa, pa, kb;
+  std::array<Tile<float>, 2> s_acc, o_acc;
+  std::array<Ring<float>, 2> s_ring, o_ring;
+  std::array<Ring<bf16>, 2> p_ring;
+  VecBufs vb[2];
+  index_t last_t = -1, t = 0;
+  int j = 0, bl = 0;  // items done by this lane (double-buffer parity), current block
+  float scale = 1.0f;
 
-inline void sparse_qk_pv(Machine& m, const SparseAttnInputs& in, SparseAttnWorkspace& ws,
-                         const ModelConfig& cfg) {
-  const index_t T = in.positions.extent(0), NB = ws.blocks, H = cfg.n_heads;
-  const int lanes = m.arch().cube_cores;
-  index_t n_live = 0;
-  for (index_t i = 0; i < T * NB; ++i) n_live += ws.live.data()[i];
-  const float scale = cfg.softmax_scale();
-  m.launch_mixed("sparse_attn.qk_pv", lanes, [&](MixedBlock& blk) {
-    CubeCore& c = blk.cube;
-    auto q_l1 = c.alloc<bf16>(Space::l1, "q", H, kHeadDim);
-    std::array<Tile<bf16>, 2> k_l1{c.alloc<bf16>(Space::l1, "kv[0]", kAttnTile, kHeadDim),
-                                   c.alloc<bf16>(Space::l1, "kv[1]", kAttnTile, kHeadDim)};
-    std::array<Tile<bf16>, 2> qa{c.alloc<bf16>(Space::l0a, "q_l0[0]", kHeadBatch, kAttnTile),
-                                 c.alloc<bf16>(Space::l0a, "q_l0[1]", kHeadBatch, kAttnTile)};
-    std::array<Tile<bf16>, 2> pa{c.alloc<bf16>(Space::l0a, "p_l0[0]", kVecHeads, kAttnTile),
-                                 c.alloc<bf16>(Space::l0a, "p_l0[1]", kVecHeads, kAttnTile)};
-    std::array<Tile<bf16>, 2> kb{c.alloc<bf16>(Space::l0b, "k_l0[0]", kAttnTile, kAttnTile),
-                                 c.alloc<bf16>(Space::l0b, "k_l0[1]", kAttnTile, kAttnTile)};
-    std::array<Tile<float>, 2> s_acc{c.alloc<float>(Space::l0c, "s[0]", kHeadBatch, kAttnTile),
-                                     c.alloc<float>(Space::l0c, "s[1]", kHeadBatch, kAttnTile)};
-    std::array<Tile<float>, 2> o_acc{c.alloc<float>(Space::l0c, "o[0]", kVecHeads, kHeadDim),
-                                     c.alloc<float>(Space::l0c, "o[1]", kVecHeads, kHeadDim)};
-    Ring<float> s_ring[2] = {{c, blk.vec0, "s_ring", 2, kVecHeads, kAttnTile},
-                             {c, blk.vec1, "s_ring", 2, kVecHeads, kAttnTile}};
-    Ring<float> o_ring[2] = {{c, blk.vec0, "o_ring", 2, kVecHeads, kHeadDim},
-                             {c, blk.vec1, "o_ring", 2, kVecHeads, kHeadDim}};
-    Ring<bf16> p_ring[2] = {{blk.vec0, c, "p_ring", 2, kVecHeads, kAttnTile},
-                            {blk.vec1, c, "p_ring", 2, kVecHeads, kAttnTile}};
-    struct VecBufs {
-      Tile<float> bias, s, ml;
-      Tile<bf16> p;
-    };
-    VecBufs vb[2];
+  Lane(MixedBlock& b, const Scratch& scratch, int heads)
+      : blk(&b),
+        sc(&scratch),
+        H(heads),
+        hb(head_batch(heads)),
+        vh(head_batch(heads) / 2),
+        q_l1(b.cube.alloc<bf16>(Space::l1, "q", heads, kHeadDim)),
+        k_l1{b.cube.alloc<bf16>(Space::l1, "kv[0]", kTile, kHeadDim),
+             b.cube.alloc<bf16>(Space::l1, "kv[1]", kTile, kHeadDim)},
+        qa{b.cube.alloc<bf16>(Space::l0a, "q_l0[0]", hb, kTile),
+           b.cube.alloc<bf16>(Space::l0a, "q_l0[1]", hb, kTile)},
+        pa{b.cube.alloc<bf16>(Space::l0a, "p_l0[0]", vh, kTile),
+           b.cube.alloc<bf16>(Space::l0a, "p_l0[1]", vh, kTile)},
+        kb{b.cube.alloc<bf16>(Space::l0b, "k_l0[0]", kTile, kTile),
+           b.cube.alloc<bf16>(Space::l0b, "k_l0[1]", kTile, kTile)},
+        s_acc{b.cube.alloc<float>(Space::l0c, "s[0]", hb, kTile),
+              b.cube.alloc<float>(Space::l0c, "s[1]", hb, kTile)},
+        o_acc{b.cube.alloc<float>(Space::l0c, "o[0]", vh, kHeadDim),
+              b.cube.alloc<float>(Space::l0c, "o[1]", vh, kHeadDim)},
+        s_ring{Ring<float>(b.cube, b.vec0, "s_ring", 2, vh, kTile),
+               Ring<float>(b.cube, b.vec1, "s_ring", 2, vh, kTile)},
+        o_ring{Ring<float>(b.cube, b.vec0, "o_ring", 2, vh, kHeadDim),
+               Ring<float>(b.cube, b.vec1, "o_ring", 2, vh, kHeadDim)},
+        p_ring{Ring<bf16>(b.vec0, b.cube, "p_ring", 2, vh, kTile),
+               Ring<bf16>(b.vec1, b.cube, "p_ring", 2, vh, kTile)} {
     for (int i = 0; i < 2; ++i) {
-      VectorCore& v = blk.vec(i);
-      vb[i] = {v.alloc<float>(Space::ub, "bias", 1, kAttnTile),
-               v.alloc<float>(Space::ub, "s", kVecHeads, kAttnTile),
-               v.alloc<float>(Space::ub, "m_l", 2, kVecHeads),
-               v.alloc<bf16>(Space::ub, "p", kVecHeads, kAttnTile)};
+      VectorCore& v = b.vec(i);
+      vb[i] = {
+          v.alloc<float>(Space::ub, "bias", 1, kTile),
+          v.alloc<float>(Space::ub, "s", vh, kTile),
+          {v.alloc<float>(Space::ub, "m_l[0]", 2, vh), v.alloc<float>(Space::ub, "m_l[1]", 2, vh)},
+          v.alloc<bf16>(Space::ub, "p", vh, kTile)};
     }
-    index_t last_t = -1;
-    int j = 0;
-    for (index_t it = blk.index; it < n_live; it += lanes, ++j) {
-      const index_t item = ws.order.data()[it], t = item / NB, bl = item % NB;
-      const auto& kv_l1 = k_l1[std::size_t(j % 2)];
-      // Gather the block's 128 KV rows: one DMA per row (window from the ori pool, compressed
-      // from the compressed pool).
-      const std::int32_t* rows = ws.rows.data() + t * ws.cols + bl * kAttnTile;
-      const bool cmp = bl > 0;  // block 0 is the window (ori pool), the rest compressed rows
-      c.gather_rows_in(kv_l1, 0, cmp ? in.cmp_kv : in.ori_kv,
-                       std::span<const std::int32_t>(rows, kAttnTile), "kv_gather");
-      if (t != last_t) {
-        c.copy_in(q_l1, 0, in.q.row(t), "q_in");
-        last_t = t;
-      }
-      for (int i = 0; i < 2; ++i)
-        blk.vec(i).copy_in(
-            vb[i].bias, 0,
-            ConstView<float, 2>(ws.bias.data() + t * ws.cols + bl * kAttnTile, {1, kAttnTile}),
-            "bias_in");
-      // Software pipeline inside an item: QK of both head batches first (the cube computes
-      // batch 1 while the vector cores run the softmax of batch 0), then the softmax of both,
-      // then PV of both, then the stores.
-      const index_t HB = H / kHeadBatch;
-      for (index_t hb = 0; hb < HB; ++hb) {
-        auto& s = s_acc[std::size_t(hb % 2)];
-        // S = q[32 heads] . K^T over 4 K tiles of 128 dims.
-        for (index_t kt = 0; kt < kHeadDim / kAttnTile; ++kt) {
-          auto& a = qa[std::size_t(kt % 2)];
-          auto& bmat = kb[std::size_t(kt % 2)];
-          c.load_l0(a, q_l1, hb * kHeadBatch, kHeadBatch, kt * kAttnTile, kAttnTile, false, "q_l0");
-          c.load_l0(bmat, kv_l1, 0, kAttnTile, kt * kAttnTile, kAttnTile, false, "k_l0");
-          c.mmad(s, a, bmat, kHeadBatch, kAttnTile, kAttnTile, kt > 0, "qk_mmad");
-        }
-        for (int i = 0; i < 2; ++i) s_ring[i].push(s, i * kVecHeads, kVecHeads, "s_push");
-      }
-      for (index_t hb = 0; hb < HB; ++hb) {
-        // Vector softmax statistics of 16 heads per AIV.
-        for (int i = 0; i < 2; ++i) {
-          VectorCore& v = blk.vec(i);
-          VecBufs& b = vb[i];
-          Tile<float> st = s_ring[i].pop();
-          v.vec(
-              "scale_bias", kVecHeads * kAttnTile, 4, {&st.state(), &b.bias.state()},
-              {&b.s.state()},
-              [&] {
-                for (index_t h = 0; h < kVecHeads; ++h)
-                  for (index_t k = 0; k < kAttnTile; ++k)
-                    b.s(h, k) = scale * st(h, k) + b.bias(0, k);
-              },
-              2.0);
-          s_ring[i].release();
-          v.vec("rowmax", kVecHeads * kAttnTile, 4, {&b.s.state()}, {&b.ml.state()}, [&] {
-            for (index_t h = 0; h < kVecHeads; ++h) {
-              float mx = b.s(h, 0);
-              for (index_t k = 1; k < kAttnTile; ++k) mx = std::max(mx, b.s(h, k));
-              b.ml(0, h) = mx;
-            }
-          });
-          v.vec(
-              "exp", kVecHeads * kAttnTile, 4, {&b.s.state(), &b.ml.state()}, {&b.s.state()},
-              [&] {
-                for (index_t h = 0; h < kVecHeads; ++h)
-                  for (index_t k = 0; k < kAttnTile; ++k)
-                    b.s(h, k) = std::exp(b.s(h, k) - b.ml(0, h));
-              },
-              m.arch().vector_exp_cost_factor);
-          v.vec("rowsum", kVecHeads * kAttnTile, 4, {&b.s.state()}, {&b.ml.state()}, [&] {
-            for (index_t h = 0; h < kVecHeads; ++h) {
-              float sum = 0;
-              for (index_t k = 0; k < kAttnTile; ++k) sum += b.s(h, k);
-              b.ml(1, h) = sum;
-            }
-          });
-          v.vec("cast_p", kVecHeads * kAttnTile, 4, {&b.s.state()}, {&b.p.state()}, [&] {
-            for (index_t k = 0; k < kVecHeads * kAttnTile; ++k) b.p.data()[k] = bf16(b.s.data()[k]);
-          });
-          p_ring[i].push(b.p, 0, kVecHeads, "p_push");
-          const index_t h0 = hb * kHeadBatch + i * kVecHeads;
-          v.copy_out(View<float, 2>(&ws.m.view()(t, bl, h0), {1, kVecHeads}), b.ml, 0, "m_out");
-          v.copy_out(View<float, 2>(&ws.l.view()(t, bl, h0), {1, kVecHeads}), b.ml, 1, "l_out");
-        }
-      }
-      for (index_t hb = 0; hb < HB; ++hb) {
-        // O = P . K per AIV half (16 heads), N in 4 tiles of 128 dims; K^T via transposed loads.
-        for (int i = 0; i < 2; ++i) {
-          Tile<bf16> p1 = p_ring[i].pop();
-          auto& a = pa[std::size_t(i)];
-          c.load_l0(a, p1, 0, kVecHeads, 0, kAttnTile, false, "p_l0");
-          p_ring[i].release();
-          auto& o = o_acc[std::size_t(i)];
-          for (index_t nt = 0; nt < kHeadDim / kAttnTile; ++nt) {
-            auto& bmat = kb[std::size_t(nt % 2)];
-            c.load_l0(bmat, kv_l1, 0, kAttnTile, nt * kAttnTile, kAttnTile, /*transpose=*/true,
-                      "kT_l0");
-            c.mmad(o, a, bmat, kVecHeads, kAttnTile, kAttnTile, false, "pv_mmad", nt * kAttnTile);
-          }
-          o_ring[i].push(o, 0, kVecHeads, "o_push");
-        }
-        for (int i = 0; i < 2; ++i) {
-          VectorCore& v = blk.vec(i);
-          Tile<float> ot = o_ring[i].pop();
-          const index_t h0 = hb * kHeadBatch + i * kVecHeads;
-          v.copy_out(View<float, 2>(&ws.o.view()(t, bl, h0, 0), {kVecHeads, kHeadDim}), ot, 0,
-                     "o_out");
-          o_ring[i].release();
-        }
-      }
-    }
-  });
-}
+  }
+};
 
-inline void sparse_merge_norm(Machine& m, const SparseAttnInputs& in, SparseAttnWorkspace& ws,
-                              const ModelConfig& cfg) {
-  const index_t T = in.positions.extent(0), NB = ws.blocks, H = cfg.n_heads;
-  const index_t tiles = H / kVecHeads;
-  m.launch_vector("sparse_attn.merge_norm", int(T * tiles), [&](VectorBlock& blk) {
-    VectorCore& v = blk.vec;
-    const index_t t = blk.index / tiles, h0 = (blk.index % tiles) * kVecHeads;
-    const index_t pos = in.positions(t);
-    auto acc = v.alloc<float>(Space::ub, "o_acc", kVecHeads, kHeadDim);
-    std::array<Tile<float>, 2> ob{v.alloc<float>(Space::ub, "o_blk[0]", kVecHeads, kHeadDim),
-                                  v.alloc<float>(Space::ub, "o_blk[1]", kVecHeads, kHeadDim)};
-    auto ml = v.alloc<float>(Space::ub, "m_l", 2 * NB, kVecHeads);
-    auto st = v.alloc<float>(Space::ub, "m_l_run", 3, kVecHeads);
-    auto sink = v.alloc<float>(Space::ub, "sink", 1, kVecHeads);
-    auto rot = v.alloc<bf16>(Space::ub, "cos_sin", 2, 64);
-    auto ob16 = v.alloc<bf16>(Space::ub, "o_bf16", kVecHeads, kHeadDim);
-    for (index_t bl = 0; bl < NB; ++bl) {
-      v.copy_in(ml, bl, ConstView<float, 2>(&ws.m.view()(t, bl, h0), {1, kVecHeads}), "m_in");
-      v.copy_in(ml, NB + bl, ConstView<float, 2>(&ws.l.view()(t, bl, h0), {1, kVecHeads}), "l_in");
-    }
-    v.copy_in(sink, 0, ConstView<float, 2>(in.attn_sink.data() + h0, {1, kVecHeads}), "sink_in");
-    v.copy_in(rot, 0, ConstView<bf16, 2>(in.rope.cos_row(pos), {1, 64}), "cos_in");
-    v.copy_in(rot, 1, ConstView<bf16, 2>(in.rope.sin_row(pos), {1, 64}), "sin_in");
-    bool first = true;
-    int j = 0;
-    for (index_t bl = 0; bl < NB; ++bl) {
-      if (!ws.live.view()(t, bl)) continue;  // skipped block: (m=-3e38, l=0, o=0) vanishes
-      auto& o = ob[std::size_t(j++ % 2)];
-      v.copy_in(o, 0, ConstView<float, 2>(&ws.o.view()(t, bl, h0, 0), {kVecHeads, kHeadDim}),
-                "o_in");
-      if (first) {
-        v.vec("merge_init", kVecHeads * kHeadDim, 4, {&o.state(), &ml.state()},
-              {&acc.state(), &st.state()}, [&] {
-                std::copy_n(o.data(), kVecHeads * kHeadDim, acc.data());
-                for (index_t h = 0; h < kVecHeads; ++h) {
-                  st(0, h) = ml(bl, h);
-                  st(1, h) = ml(NB + bl, h);
-                }
-              });
-        first = false;
-        continue;
-      }
-      v.vec(
-          "merge", kVecHeads * kHeadDim, 4, {&o.state(), &ml.state(), &acc.state()},
-          {&acc.state(), &st.state()},
-          [&] {
-            for (index_t h = 0; h < kVecHeads; ++h) {
-              const float mo = st(0, h), mb = ml(bl, h), mn = std::max(mo, mb);
-              const float alpha = std::exp(mo - mn), gamma = std::exp(mb - mn);
-              st(1, h) = alpha * st(1, h) + gamma * ml(NB + bl, h);
-              st(0, h) = mn;
-              for (index_t d = 0; d < kHeadDim; ++d)
-                acc(h, d) = alpha * acc(h, d) + gamma * o(h, d);
-            }
-          },
-          3.0);
-    }
-    v.vec(
-        "sink_norm_rope_cast", kVecHeads * kHeadDim, 4,
-        {&acc.state(), &st.state(), &sink.state(), &rot.state()}, {&ob16.state()},
-        [&] {
-          for (index_t h = 0; h < kVecHeads; ++h) {
-            float* row = acc.row(h);
-            if (first) {
-              std::fill_n(row, kHeadDim, 0.0f);
-            } else {
-              const float den = st(1, h) + std::exp(sink(0, h) - st(0, h));
-              for (index_t d = 0; d < kHeadDim; ++d) row[d] = row[d] / den;
-            }
-            const int nope = cfg.nope_dim();
-            for (index_t d = 0; d < nope; ++d) ob16(h, d) = bf16(row[d]);
-            rope_inverse(std::span<float>(row + nope, 64), rot.row(0), rot.row(1));
-            for (index_t d = nope; d < kHeadDim; ++d) ob16(h, d) = bf16(row[d]);
-          }
-        },
-        4.0);
-    // One 512-wide store per head row into o_packed[g*T + t, hh*512 ..] (PR #831).
-    for (index_t h = 0; h < kVecHeads; ++h) {
-      const index_t hg = h0 + h, g = hg / cfg.heads_per_group(), hh = hg % cfg.heads_per_group();
-      v.copy_out(View<bf16, 2>(&ws.o_packed.view()(g * T + t, hh * kHeadDim), {1, kHeadDim}), ob16,
-                 h, "o_packed_out");
-    }
-  });
-}
+// One merge_norm block (1 AIV): a (token, 16-head tile) of stage 2.
+struct MergeLane {
+  VectorCore* v;
+  const Scratch* sc;
+  int NB, vh;
+  Tile<float> acc;                    // (vh, 512) merged O
+  std::array<Tile<float>, 2> ob;      // (vh, 512) partial O, double buffered
+  Tile<float> ml;                     // (2*NB, vh) m, l of every block
+  Tile<float> st;                     // (2, vh) running m, l
+  Tile<float> alpha, gamma, mn, tmp;  // (1, vh)
+  Tile<float> sink;                   // (1, vh)
+  Tile<float> rot;                    // (2, 64) interleaved cos, folded sin
+  Tile<float> x, sw;                  // (vh, 64) rope half and its pair swap
+  Tile<bf16> ob16;                    // (vh, 512)
+  bool first = true;
+  int j = 0;
+  index_t t = 0;
+  int h0 = 0;
+  MergeLane(VectorCore& core, const Scratch& scratch, int n_blocks, int heads)
+      : v(&core),
+        sc(&scratch),
+        NB(n_blocks),
+        vh(heads),
+        acc(core.alloc<float>(Space::ub, "o_acc", heads, kHeadDim)),
+        ob{core.alloc<float>(Space::ub, "o_blk[0]", heads, kHeadDim),
+           core.alloc<float>(Space::ub, "o_blk[1]", heads, kHeadDim)},
+        ml(core.alloc<float>(Space::ub, "m_l", 2 * n_blocks, heads)),
+        st(core.alloc<float>(Space::ub, "m_l_run", 2, heads)),
+        alpha(core.alloc<float>(Space::ub, "alpha", 1, heads)),
+        gamma(core.alloc<float>(Space::ub, "gamma", 1, heads)),
+        mn(core.alloc<float>(Space::ub, "m_new", 1, heads)),
+        tmp(core.alloc<float>(Space::ub, "tmp", 1, heads)),
+        sink(core.alloc<float>(Space::ub, "sink", 1, heads)),
+        rot(core.alloc<float>(Space::ub, "cos_sin", 2, 64)),
+        x(core.alloc<float>(Space::ub, "rope_x", heads, 64)),
+        sw(core.alloc<float>(Space::ub, "rope_swap", heads, 64)),
+        ob16(core.alloc<bf16>(Space::ub, "o_bf16", heads, kHeadDim)) {}
+};
 
-inline void sparse_oproj(Machine& m, const SparseAttnInputs& in, View<bf16, 2> out,
-                         SparseAttnWorkspace& ws, const ModelConfig& cfg) {
-  const index_t T = in.positions.extent(0), G = cfg.o_groups, R = cfg.o_lora, KI = cfg.o_group_in();
-  const index_t D = cfg.hidden;
-  constexpr index_t kPad = 16, kK = 256;
-  // proj_a: per (group, 128-wide N fragment): o_r = o_packed[g] . wo_a[g]^T, K tiles of 256.
-  const index_t nfr = R / 128;
-  m.launch_cube("sparse_attn.proj_a", int(G * nfr), [&](CubeBlock& blk) {
-    CubeCore& c = blk.cube;
-    const index_t g = blk.index / nfr, n0 = (blk.index % nfr) * 128;
-    auto a1 = c.alloc<bf16>(Space::l1, "o_packed", kPad, KI);
-    std::array<Tile<bf16>, 2> b1{c.alloc<bf16>(Space::l1, "wo_a[0]", 128, kK),
-                                 c.alloc<bf16>(Space::l1, "wo_a[1]", 128, kK)};
-    // L0B holds (128 x 128) BF16 = 32 KiB, double buffered: each K tile of 256 is 2 L0 steps.
-    std::array<Tile<bf16>, 2> a0{c.alloc<bf16>(Space::l0a, "a_l0[0]", kPad, 128),
-                                 c.alloc<bf16>(Space::l0a, "a_l0[1]", kPad, 128)};
-    std::array<Tile<bf16>, 2> b0{c.alloc<bf16>(Space::l0b, "b_l0[0]", 128, 128),
-                                 c.alloc<bf16>(Space::l0b, "b_l0[1]", 128, 128)};
-    auto acc = c.alloc<float>(Space::l0c, "o_r", kPad, 128);
-    c.copy_in(a1, 0, ConstView<bf16, 2>(ws.o_packed.view().slice(0, g * T, g * T + T)),
-              "o_packed_in");
-    int step = 0;
-    for (index_t kt = 0; kt < KI / kK; ++kt) {
-      const std::size_t s = std::size_t(kt % 2);
-      c.copy_in(b1[s], 0, in.wo_a.row(g).slice(0, n0, n0 + 128).slice(1, kt * kK, kt * kK + kK),
-                "wo_a_in");
-      for (index_t h = 0; h < kK / 128; ++h, ++step) {
-        const std::size_t u = std::size_t(step % 2);
-        c.load_l0(a0[u], a1, 0, kPad, kt * kK + h * 128, 128, false, "a_l0");
-        c.load_l0(b0[u], b1[s], 0, 128, h * 128, 128, false, "b_l0");
-        c.mmad(acc, a0[u], b0[u], T, 128, 128, step > 0, "proj_a_mmad");
+struct Schedule {
+  A2a3 be;
+  const kernels::SparseAttentionArgs* a;
+  Scratch sc;
+
+  // Stage 1: qk_pv over the live (token, block) items.
+  template <class Body>
+  void for_items(Body&& body) {
+    const int lanes = std::min(be.arch().cube_cores, std::max(sc.n_live, 1));
+    const int H = a->cfg->n_heads;
+    be.m->launch_mixed("sparse_attn.qk_pv", lanes, [&](MixedBlock& blk) {
+      Lane lane(blk, sc, H);
+      for (index_t it = blk.index; it < sc.n_live; it += lanes, ++lane.j) {
+        const index_t item = sc.order(it), t = item / sc.NB;
+        const int bl = int(item % sc.NB);
+        body(lane, kernels::AttentionItem{t, 0, H, bl, bl + 1});
       }
-    }
-    c.copy_out(View<float, 2>(&ws.o_r.view()(0, g, n0), {T, 128}, {G * R, 1}), acc, 0, "o_r_out");
-  });
-  // quant: Q8 per (token, group) over O_LORA.
-  m.launch_vector("sparse_attn.quant", int(T * G), [&](VectorBlock& blk) {
-    VectorCore& v = blk.vec;
-    const index_t t = blk.index / G, g = blk.index % G;
-    auto x = v.alloc<float>(Space::ub, "o_r", 1, R);
-    auto q = v.alloc<std::int8_t>(Space::ub, "a_i8", 1, R);
-    auto s = v.alloc<float>(Space::ub, "a_dq", 1, 8);
-    v.copy_in(x, 0, ConstView<float, 2>(&ws.o_r.view()(t, g, 0), {1, R}), "o_r_in");
-    v.vec("amax", R, 4, {&x.state()}, {&s.state()}, [] {});
-    v.vec(
-        "quant", R, 4, {&x.state(), &s.state()}, {&q.state(), &s.state()},
-        [&] {
-          s(0, 0) = quantize_q8(std::span<std::int8_t>(q.data(), std::size_t(R)),
-                                std::span<const float>(x.data(), std::size_t(R)));
-        },
-        3.0);
-    v.copy_out(View<std::int8_t, 2>(&ws.a_i8.view()(t, g, 0), {1, R}), q, 0, "a_i8_out");
-    v.copy_out(View<float, 2>(&ws.a_dq.view()(t, g), {1, 1}), s, 0, "a_dq_out");
-  });
-  // proj_b: per (group, 512-wide D chunk): INT32 partial = a_i8[g] . wo_b[n, g*R ..]^T.
-  const index_t dch = D / 512;
-  m.launch_cube("sparse_attn.proj_b", int(G * dch), [&](CubeBlock& blk) {
-    CubeCore& c = blk.cube;
-    const index_t g = blk.index / dch, n0 = (blk.index % dch) * 512;
-    auto a1 = c.alloc<std::int8_t>(Space::l1, "a_i8", kPad, R);
-    std::array<Tile<std::int8_t>, 2> b1{c.alloc<std::int8_t>(Space::l1, "wo_b[0]", 512, kK),
-                                        c.alloc<std::int8_t>(Space::l1, "wo_b[1]", 512, kK)};
-    std::array<Tile<std::int8_t>, 2> a0{c.alloc<std::int8_t>(Space::l0a, "a_l0[0]", kPad, kK),
-                                        c.alloc<std::int8_t>(Space::l0a, "a_l0[1]", kPad, kK)};
-    std::array<Tile<std::int8_t>, 2> b0{c.alloc<std::int8_t>(Space::l0b, "b_l0[0]", 128, kK),
-                                        c.alloc<std::int8_t>(Space::l0b, "b_l0[1]", 128, kK)};
-    auto acc = c.alloc<std::int32_t>(Space::l0c, "partial", kPad, 512);
-    c.copy_in(a1, 0,
-              ConstView<std::int8_t, 2>(
-                  View<std::int8_t, 2>(&ws.a_i8.view()(0, g, 0), {T, R}, {G * R, 1})),
-              "a_i8_in");
-    int step = 0;
-    for (index_t kt = 0; kt < R / kK; ++kt) {
-      const std::size_t s = std::size_t(kt % 2);
-      c.copy_in(b1[s], 0,
-                in.wo_b.slice(0, n0, n0 + 512).slice(1, g * R + kt * kK, g * R + kt * kK + kK),
-                "wo_b_in");
-      c.load_l0(a0[s], a1, 0, kPad, kt * kK, kK, false, "a_l0");
-      for (index_t nc = 0; nc < 4; ++nc, ++step) {
-        auto& b = b0[std::size_t(step % 2)];
-        c.load_l0(b, b1[s], nc * 128, 128, 0, kK, false, "b_l0");
-        c.mmad(acc, a0[s], b, T, 128, kK, kt > 0, "proj_b_mmad", nc * 128);
-      }
-    }
-    c.copy_out(View<std::int32_t, 2>(&ws.partial.view()(0, g * D + n0), {T, 512}, {G * D, 1}), acc,
-               0, "partial_out");
-  });
-  // proj_b_act: attn_out = bf16(wo_b_scale * sum_g a_dq[g] * partial_g), groups summed in order.
-  const index_t quarters = 4, qw = D / quarters;
-  m.launch_vector("sparse_attn.proj_b_act", int(T * quarters), [&](VectorBlock& blk) {
-    VectorCore& v = blk.vec;
-    const index_t t = blk.index / quarters, n0 = (blk.index % quarters) * qw;
-    auto p = v.alloc<std::int32_t>(Space::ub, "partials", G, qw);
-    auto dq = v.alloc<float>(Space::ub, "a_dq", 1, G);
-    auto ws_ = v.alloc<float>(Space::ub, "wo_b_scale", 1, qw);
-    auto accf = v.alloc<float>(Space::ub, "acc", 1, qw);
-    auto o = v.alloc<bf16>(Space::ub, "attn_out", 1, qw);
-    v.copy_in(p, 0,
-              ConstView<std::int32_t, 2>(
-                  View<std::int32_t, 2>(&ws.partial.view()(t, n0), {G, qw}, {D, 1})),
-              "partials_in");
-    v.copy_in(dq, 0, ConstView<float, 2>(&ws.a_dq.view()(t, 0), {1, G}), "a_dq_in");
-    v.copy_in(ws_, 0, ConstView<float, 2>(in.wo_b_scale.data() + n0, {1, qw}), "wo_b_scale_in");
-    v.vec(
-        "dequant_sum", G * qw, 4, {&p.state(), &dq.state()}, {&accf.state()},
-        [&] {
-          for (index_t n = 0; n < qw; ++n) {
-            float s = 0;
-            for (index_t g = 0; g < G; ++g) s += dq(0, g) * float(p(g, n));
-            accf(0, n) = s;
-          }
-        },
-        2.0);
-    v.vec("scale_cast", qw, 4, {&accf.state(), &ws_.state()}, {&o.state()}, [&] {
-      for (index_t n = 0; n < qw; ++n) o(0, n) = bf16(ws_(0, n) * accf(0, n));
     });
-    v.copy_out(out.slice(0, t, t + 1).slice(1, n0, n0 + qw), o, 0, "attn_out");
-  });
-}
+  }
+  // Stage 2: rope_cs, then merge_norm over (token, 16-head tile).
+  template <class Body>
+  void for_partials(Body&& body) {
+    rope_cs();
+    const index_t T = sc.T;
+    const int H = a->cfg->n_heads, vh = head_batch(H) / 2, tiles = H / vh, NB = int(sc.NB);
+    be.m->launch_vector("sparse_attn.merge_norm", int(T * tiles), [&](VectorBlock& blk) {
+      MergeLane lane(blk.vec, sc, NB, vh);
+      body(lane, kernels::AttentionItem{blk.index / tiles, (blk.index % tiles) * vh, vh, 0, NB});
+    });
+  }
+  // The head-invariant rotation rows of the inverse RoPE per token (spec §8.6 item 3):
+  // cos_i[j] = c[j/2], sin_f[j] = (+s, -s)[j%2] * s[j/2], so that
+  // rope_inv(x)[j] = x[j] * cos_i[j] + x[j^1] * sin_f[j].
+  void rope_cs() {
+    const index_t T = sc.T;
+    be.m->launch_vector("sparse_attn.rope_cs", 1, [&](VectorBlock& blk) {
+      VectorCore& v = blk.vec;
+      auto cs = v.alloc<bf16>(Space::ub, "cos_sin_bf16", 2 * T, 32);
+      auto h = v.alloc<float>(Space::ub, "cos_sin_half", 2 * T, 32);
+      auto w = v.alloc<float>(Space::ub, "cos_sin", 2 * T, 64);
+      for (index_t t = 0; t < T; ++t) {
+        const index_t p = a->cols.positions(t);
+        v.copy_in(cs, 2 * t, ConstView<bf16, 2>(a->rope.cos_row(p), {1, 32}), "cos_in");
+        v.copy_in(cs, 2 * t + 1, ConstView<bf16, 2>(a->rope.sin_row(p), {1, 32}), "sin_in");
+      }
+      v.vcast(Sub<float>(h), Sub<bf16>(cs), "cast_f32");
+      v.vdup_pairs(Sub<float>(w), Sub<float>(h), "interleave");
+      for (index_t t = 0; t < T; ++t)
+        v.vsign_pairs(rows_of(w, 2 * t + 1, 1), rows_of(w, 2 * t + 1, 1), 1.0f, -1.0f, "fold_sign");
+      v.copy_out(View<float, 2>(sc.rope.data(), {2 * T, 64}), w, 0, "cos_sin_out");
+    });
+  }
+};
 
-}  // namespace detail
+}  // namespace sparse_attention_detail
 
-// Runs sparse attention + grouped output projection (§8) on the model; writes out (T, D) BF16.
-inline KernelReport sparse_attention(Machine& m, const SparseAttnInputs& in, View<bf16, 2> out,
-                                     SparseAttnWorkspace& ws, const ModelConfig& cfg) {
-  detail::check_sparse_attn(in, out, ws, cfg);
-  m.begin_kernel(std::string("sparse_attn_") + std::string(to_string(in.kind)));
-  detail::sparse_plan(m, in, ws, cfg);
-  detail::sparse_qk_pv(m, in, ws, cfg);
-  detail::sparse_merge_norm(m, in, ws, cfg);
-  detail::sparse_oproj(m, in, out, ws, cfg);
-  return m.end_kernel();
-}
+struct backend_ops_sparse_attention {
+  using Lane = sparse_attention_detail::Lane;
+  using MergeLane = sparse_attention_detail::MergeLane;
+  using Scratch = sparse_attention_detail::Scratch;
+  static constexpr bool split_blocks = true;
+  static constexpr int kTile = sparse_attention_detail::kTile;
+  static constexpr int kHeadDim = sparse_attention_detail::kHeadDim;
+
+  // What this schedule supports (a test table asks before running; check() throws the same).
+  static const char* unsupported(const ModelConfig& cfg) {
+    const int hb = sparse_attention_detail::head_batch(cfg.n_heads);
+    if (cfg.head_dim != kHeadDim) return "head_dim != 512";
+    if (cfg.n_heads % hb != 0 || hb % 2 != 0 || cfg.n_heads > 128)
+      return "n_heads not a multiple of the 32-head cube batch (or even and < 32), or > 128";
+    return nullptr;
+  }
+  static std::size_t workspace_bytes(const A2a3&, const ModelConfig& cfg, LayerKind kind,
+                                     index_t T) {
+    const index_t cols = cfg.attn_cols(kind), NB = cols / kTile;
+    return Scratch::sizes(T, cols, NB, cfg.n_heads)[0];
+  }
+  static void check(const A2a3& be, const kernels::SparseAttentionArgs& a,
+                    std::span<const std::byte> ws) {
+    if (const char* why = unsupported(*a.cfg))
+      throw_arg("a2a3 sparse_attention", "cfg", std::string(a.cfg->name), why);
+    const std::size_t need = workspace_bytes(be, *a.cfg, a.kind, a.tokens());
+    if (ws.size() < need)
+      throw_arg("a2a3 sparse_attention", "workspace.size()", ws.size(),
+                ">= " + std::to_string(need) + " (sparse_attention_workspace_bytes)");
+  }
+
+  // The plan launch, then the schedule of both stages.
+  static sparse_attention_detail::Schedule schedule(const A2a3& be,
+                                                    const kernels::SparseAttentionArgs& a,
+                                                    std::span<std::byte> workspace) {
+    const index_t T = a.tokens(), NB = a.n_blocks(), cols = NB * kTile;
+    sparse_attention_detail::Schedule s{be, &a, Scratch(workspace, T, cols, NB, a.cfg->n_heads)};
+    Scratch& sc = s.sc;
+    be.m->launch_vector("sparse_attn.plan", 1, [&](VectorBlock& blk) {
+      VectorCore& v = blk.vec;
+      auto widx = v.alloc<std::int32_t>(Space::ub, "window_idx", T, a.cfg->window);
+      auto rows = v.alloc<std::int32_t>(Space::ub, "rows", T, cols);
+      auto bias = v.alloc<float>(Space::ub, "bias", T, cols);
+      auto live = v.alloc<std::int32_t>(Space::ub, "live", 1, T * NB);
+      auto order = v.alloc<std::int32_t>(Space::ub, "order", 1, T * NB);
+      v.copy_in(widx, 0, a.cols.window_idx, "window_idx_in");
+      Tile<std::int32_t> tk;
+      if (a.kind == LayerKind::csa) {
+        tk = v.alloc<std::int32_t>(Space::ub, "topk", T, a.cfg->idx_topk);
+        v.copy_in(tk, 0, a.cols.topk.slice(1, 0, a.cfg->idx_topk), "topk_in");
+      }
+      v.vector_rule(sparse_attention_detail::PlanRule{&a, rows, bias, live},
+                    {&widx.state(), tk.data() ? &tk.state() : &widx.state()},
+                    {&rows.state(), &bias.state(), &live.state()});
+      v.scalar_rule(sparse_attention_detail::OrderRule{live, order}, {&live.state()},
+                    {&order.state()});
+      v.copy_out(sc.rows, rows, 0, "rows_out");
+      v.copy_out(sc.bias, bias, 0, "bias_out");
+      v.copy_out(View<std::int32_t, 2>(sc.live.data(), {1, T * NB}), live, 0, "live_out");
+      v.copy_out(View<std::int32_t, 2>(sc.order.data(), {1, T * NB}), order, 0, "order_out");
+    });
+    for (index_t i = 0; i < T * NB; ++i) sc.n_live += sc.live.data()[i];
+    return s;
+  }
+
+  // ---- stage 1 (qk_pv), one (token, block) item on a lane
+  static void load_queries(Lane& z, const kernels::SparseAttentionArgs& a,
+                           const kernels::AttentionItem& it) {
+    z.t = it.t;
+    if (it.t != z.last_t) {
+      z.blk->cube.copy_in(z.q_l1, 0, a.q.row(it.t), "q_in");
+      z.last_t = it.t;
+    }
+  }
+  static void begin_item(Lane&, const kernels::AttentionItem&) {}
+  // Items are live blocks (the plan's order), so every item computes its block.
+  static int block_rows(Lane& z, const kernels::SparseAttentionArgs&, const kernels::AttentionItem&,
+                        int beta) {
+    z.bl = beta;
+    return 1;
+  }
+  // The block's 128 rows into L1 (one DMA per valid row, zero rows for invalid columns) and its
+  // bias into both AIVs.
+  static void gather_kv(Lane& z, const kernels::SparseAttentionArgs& a, int beta) {
+    const std::int32_t* rows = &z.sc->rows(z.t, index_t(beta) * kTile);
+    z.blk->cube.gather_rows_in(z.k_l1[std::size_t(z.j % 2)], 0, beta == 0 ? a.kv_cache : a.cmp_kv,
+                               std::span<const std::int32_t>(rows, kTile), "kv_gather");
+    for (int i = 0; i < 2; ++i)
+      z.blk->vec(i).copy_in(
+          z.vb[i].bias, 0, ConstView<float, 2>(&z.sc->bias(z.t, index_t(beta) * kTile), {1, kTile}),
+          "bias_in");
+  }
+  // S = q·Kᵀ per batch of hb heads over 4 K tiles of 128 dims; each AIV receives its half.
+  static void scores(Lane& z, const kernels::AttentionItem&, float scale) {
+    z.scale = scale;
+    CubeCore& c = z.blk->cube;
+    const auto& kv = z.k_l1[std::size_t(z.j % 2)];
+    for (int hb = 0; hb < z.H / z.hb; ++hb) {
+      auto& s = z.s_acc[std::size_t(hb % 2)];
+      for (index_t kt = 0; kt < kHeadDim / kTile; ++kt) {
+        auto& qa = z.qa[std::size_t(kt % 2)];
+        auto& kb = z.kb[std::size_t(kt % 2)];
+        c.load_l0(qa, z.q_l1, hb * z.hb, z.hb, kt * kTile, kTile, false, "q_l0");
+        c.load_l0(kb, kv, 0, kTile, kt * kTile, kTile, false, "k_l0");
+        c.mmad(s, qa, kb, z.hb, kTile, kTile, kt > 0, "qk_mmad");
+      }
+      for (int i = 0; i < 2; ++i) z.s_ring[std::size_t(i)].push(s, i * z.vh, z.vh, "s_push");
+    }
+  }
+  // Per AIV and head batch: s·scale + bias, m = row max, e = exp(s - m), l = row sum, P = bf16(e)
+  // -> the P ring; m and l to the item's partial in GM.
+  static void block_softmax(Lane& z, const kernels::AttentionItem& it) {
+    (void)it;
+    for (int hb = 0; hb < z.H / z.hb; ++hb)
+      for (int i = 0; i < 2; ++i) {
+        VectorCore& v = z.blk->vec(i);
+        sparse_attention_detail::VecBufs& b = z.vb[i];
+        const auto& ml = b.ml[std::size_t(hb % 2)];
+        Tile<float> st = z.s_ring[std::size_t(i)].pop();
+        v.vmuls(b.s, st, z.scale, "scale");
+        z.s_ring[std::size_t(i)].release();
+        v.vadd_cols(b.s, b.s, b.bias, "bias");
+        v.vrow_max(rows_of(ml, 0, 1), b.s, "row_max");
+        v.vsub_rows(b.s, b.s, rows_of(ml, 0, 1), "sub_max");
+        v.vexp(b.s, b.s, "exp");
+        v.vrow_sum(rows_of(ml, 1, 1), b.s, "row_sum");
+        v.vcast(Sub<bf16>(b.p), Sub<float>(b.s), "cast_p");
+        z.p_ring[std::size_t(i)].push(b.p, 0, z.vh, "p_push");
+        const index_t h0 = index_t(hb) * z.hb + index_t(i) * z.vh;
+        v.copy_out(View<float, 2>(&z.sc->m(z.t, z.bl, h0), {1, z.vh}), ml, 0, "m_out");
+        v.copy_out(View<float, 2>(&z.sc->l(z.t, z.bl, h0), {1, z.vh}), ml, 1, "l_out");
+      }
+  }
+  // O = P·K per AIV half (vh heads), N in 4 tiles of 128 dims; Kᵀ via transposed loads.
+  static void merge_block(Lane& z, const kernels::AttentionItem&) {
+    CubeCore& c = z.blk->cube;
+    const auto& kv = z.k_l1[std::size_t(z.j % 2)];
+    for (int hb = 0; hb < z.H / z.hb; ++hb)
+      for (int i = 0; i < 2; ++i) {
+        Tile<bf16> p1 = z.p_ring[std::size_t(i)].pop();
+        auto& pa = z.pa[std::size_t(i)];
+        c.load_l0(pa, p1, 0, z.vh, 0, kTile, false, "p_l0");
+        z.p_ring[std::size_t(i)].release();
+        auto& o = z.o_acc[std::size_t(i)];
+        for (index_t nt = 0; nt < kHeadDim / kTile; ++nt) {
+          auto& kb = z.kb[std::size_t(nt % 2)];
+          c.load_l0(kb, kv, 0, kTile, nt * kTile, kTile, /*transpose=*/true, "kT_l0");
+          c.mmad(o, pa, kb, z.vh, kTile, kTile, false, "pv_mmad", nt * kTile);
+        }
+        z.o_ring[std::size_t(i)].push(o, 0, z.vh, "o_push");
+      }
+  }
+  static void store_partial(Lane& z, const kernels::SparseAttentionArgs&,
+                            const kernels::AttentionItem&) {
+    for (int hb = 0; hb < z.H / z.hb; ++hb)
+      for (int i = 0; i < 2; ++i) {
+        VectorCore& v = z.blk->vec(i);
+        Tile<float> ot = z.o_ring[std::size_t(i)].pop();
+        const index_t h0 = index_t(hb) * z.hb + index_t(i) * z.vh;
+        v.copy_out(View<float, 2>(&z.sc->o(z.t, z.bl, h0, 0), {z.vh, kHeadDim}), ot, 0, "o_out");
+        z.o_ring[std::size_t(i)].release();
+      }
+  }
+
+  // ---- stage 2 (merge_norm), one (token, head tile) per block
+  static void begin_item(MergeLane& z, const kernels::AttentionItem& it) {
+    VectorCore& v = *z.v;
+    z.t = it.t;
+    z.h0 = it.h0;
+    for (int bl = 0; bl < z.NB; ++bl) {
+      v.copy_in(z.ml, bl, ConstView<float, 2>(&z.sc->m(it.t, bl, it.h0), {1, it.nh}), "m_in");
+      v.copy_in(z.ml, z.NB + bl, ConstView<float, 2>(&z.sc->l(it.t, bl, it.h0), {1, it.nh}),
+                "l_in");
+    }
+  }
+  // Online merge of block beta's partial (spec §8.3); skipped blocks contribute nothing.
+  static void merge_partial(MergeLane& z, const kernels::SparseAttentionArgs&,
+                            const kernels::AttentionItem& it, int beta) {
+    if (!z.sc->live(it.t, beta)) return;
+    VectorCore& v = *z.v;
+    auto& o = z.ob[std::size_t(z.j++ % 2)];
+    v.copy_in(o, 0, ConstView<float, 2>(&z.sc->o(it.t, beta, it.h0, 0), {it.nh, kHeadDim}), "o_in");
+    const Sub<float> mb = rows_of(z.ml, beta, 1), lb = rows_of(z.ml, z.NB + beta, 1);
+    const Sub<float> m = rows_of(z.st, 0, 1), l = rows_of(z.st, 1, 1);
+    if (z.first) {
+      v.vcopy(Sub<float>(z.acc), Sub<float>(o), "merge_init");
+      v.vcopy(m, mb, "m_init");
+      v.vcopy(l, lb, "l_init");
+      z.first = false;
+      return;
+    }
+    v.vmax(z.mn, m, mb, "m_new");
+    v.vsub(z.alpha, m, z.mn, "m_old");
+    v.vexp(z.alpha, z.alpha, "alpha");
+    v.vsub(z.gamma, mb, z.mn, "m_blk");
+    v.vexp(z.gamma, z.gamma, "gamma");
+    v.vmul(l, l, z.alpha, "l_scale");
+    v.vmul(z.tmp, lb, z.gamma, "l_blk");
+    v.vadd(l, l, z.tmp, "l_merge");
+    v.vcopy(m, Sub<float>(z.mn), "m_merge");
+    v.vmul_rows(z.acc, z.acc, z.alpha, "o_scale");
+    v.vaxpy_rows(z.acc, o, z.gamma, "o_merge");
+  }
+  // den = l + exp(sink - m); out = O / den; nope -> BF16; rope half inverse-rotated -> BF16; one
+  // 512-wide store per head row into o_packed[g*T + t, hh*512 ..] (PR #831).
+  static void finish(MergeLane& z, const kernels::SparseAttentionArgs& a,
+                     const kernels::AttentionItem& it) {
+    VectorCore& v = *z.v;
+    const ModelConfig& cfg = *a.cfg;
+    const index_t T = a.tokens();
+    const int nope = cfg.nope_dim();
+    v.copy_in(z.sink, 0, ConstView<float, 2>(a.attn_sink.data() + it.h0, {1, it.nh}), "sink_in");
+    v.copy_in(z.rot, 0, ConstView<float, 2>(&z.sc->rope(it.t, 0, 0), {2, 64}), "cos_sin_in");
+    if (z.first) {
+      v.vdup(Sub<float>(z.acc), 0.0f, "zero_out");
+    } else {
+      const Sub<float> m = rows_of(z.st, 0, 1), l = rows_of(z.st, 1, 1);
+      v.vsub(z.alpha, z.sink, m, "sink_sub");
+      v.vexp(z.alpha, z.alpha, "sink_exp");
+      v.vadd(z.alpha, z.alpha, l, "den");
+      v.vdiv_rows(z.acc, z.acc, z.alpha, "normalise");
+    }
+    const Sub<float> rope = part(z.acc, 0, it.nh, nope, 64);
+    v.vcopy(Sub<float>(z.x), rope, "rope_x");
+    v.vswap_pairs(z.sw, z.x, "rope_swap");
+    v.vmul_cols(z.x, z.x, rows_of(z.rot, 0, 1), "rope_cos");
+    v.vmul_cols(z.sw, z.sw, rows_of(z.rot, 1, 1), "rope_sin");
+    v.vadd(rope, z.x, z.sw, "rope_add");
+    v.vcast(Sub<bf16>(z.ob16), Sub<float>(z.acc), "cast_bf16");
+    const int hpg = cfg.heads_per_group();
+    for (int h = 0; h < it.nh; ++h) {
+      const index_t hg = it.h0 + h, g = hg / hpg, hh = hg % hpg;
+      v.copy_out(View<bf16, 2>(&a.o_packed(g * T + it.t, hh * kHeadDim), {1, kHeadDim}), z.ob16, h,
+                 "o_packed_out");
+    }
+  }
+};
 
 }  // namespace tiledecode::a2a3
+
+namespace tiledecode {
+template <>
+struct backend_ops<kernels::SparseAttention, a2a3::A2a3> : a2a3::backend_ops_sparse_attention {};
+}  // namespace tiledecode

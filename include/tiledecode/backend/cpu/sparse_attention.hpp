@@ -209,8 +209,8 @@ struct Schedule {
       Lane lane(L, ws + std::size_t(slot) * L.total);
       for (index_t item = slot; item < n_items; item += n_slots) {
         const int h0 = int(item % tiles) * kHeadsPerItem;
-        const kernels::AttentionItem it{item / tiles, h0,  std::min(kHeadsPerItem, H - h0), 0,
-                                        n_blocks,     true};
+        const kernels::AttentionItem it{item / tiles, h0, std::min(kHeadsPerItem, H - h0), 0,
+                                        n_blocks};
         body(lane, it);
       }
     });
@@ -331,8 +331,6 @@ struct backend_ops_sparse_attention {
       std::memcpy(&a.o_packed(g * T + it.t, hh * dim), packed, sizeof(bf16) * std::size_t(dim));
     }
   }
-  static void store_partial(Lane&, const kernels::SparseAttentionArgs&,
-                            const kernels::AttentionItem&) {}  // never: items are final
 };
 
 }  // namespace tiledecode::cpu

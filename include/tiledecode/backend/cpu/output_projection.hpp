@@ -1,0 +1,243 @@
+#pragma once
+// Grouped W8A8 output projection (kernels/output_projection.hpp) on the CPU backend: one chain over
+// all groups, each op one parallel stage with a shape-only split (bit-identical for any thread
+// count):
+//   project_a  o_packed → FP32 once (workspace), then wo_a in tasks of (group, 32 rows): register
+//              tiles of 3 weight rows × 4 tokens (each weight vector widened once per 4 tokens,
+//              each activation vector loaded once per 3 rows), whole rows per tile so the weights
+//              stream as a few long runs;
+//   quantize   Q8 per (token, group), plus Σ_r a_i8 per (token, group) (the avx2_vnni tier's
+//              offset correction);
+//   project_b  tasks of 32 output channels: two weight rows × up to 4 tokens per register tile
+//              (Isa::avx2_vnni: vpdpbusd with the weights offset to u8; exact, so bit-identical),
+//              every group's INT32 P_g consumed at once by the dequantised group sum and the BF16
+//              store — the program's combine is fused here (no INT32 partials in memory).
+// At decode sizes (T = 8) every weight is read once per call: 64 MiB (flash wo_a, BF16) + 32 MiB
+// (wo_b, INT8) against 2·T operations per weight element; see docs/sparse_attention.md.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+
+#include "tiledecode/backend/cpu/backend.hpp"
+#include "tiledecode/backend/cpu/output_projection_avx2.hpp"
+#include "tiledecode/backend/cpu/quant.hpp"
+#include "tiledecode/core/bf16.hpp"
+#include "tiledecode/kernels/output_projection.hpp"
+
+namespace tiledecode::cpu {
+
+namespace output_projection_detail {
+
+inline constexpr int kRowsPerTask = 32;  // wo_a rows per task
+inline constexpr int kKChunk = 4096;  // wo_a reduction chunk (whole rows: few, long weight streams)
+inline constexpr int kTokTile = 8;    // tokens per a_chunk call (register tiles of 4)
+inline constexpr int kChanPerTask = 32;  // wo_b output channels per task
+
+constexpr std::size_t round64(std::size_t n) {
+  return (n + 63) / 64 * 64;
+}
+
+struct Layout {
+  std::size_t of, orr, a, adq, asum, total;  // byte offsets
+  Layout(const ModelConfig& cfg, std::size_t T) {
+    const std::size_t G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in();
+    of = 0;                                         // FP32 [G*T, K]
+    orr = of + round64(G * T * K * sizeof(float));  // FP32 [T, G, R]
+    a = orr + round64(T * G * R * sizeof(float));   // INT8 [T, G*R]
+    adq = a + round64(T * G * R);                   // FP32 [T, G]
+    asum = adq + round64(T * G * sizeof(float));    // INT32 [T, G]: Σ_r a_i8 (VNNI offset)
+    total = asum + round64(T * G * sizeof(std::int32_t));
+  }
+};
+
+struct ScalarOps {
+  static void a_chunk(float* out, std::int64_t ldout, const float* o, std::int64_t ldo, int nt,
+                      const bf16* w, std::int64_t ldw, int nr, int kc, int /*nr_pf*/) {
+    for (int t = 0; t < nt; ++t)
+      for (int r = 0; r < nr; ++r) {
+        // Eight interleaved partial sums (as the SIMD lanes): a single running FP32 sum over
+        // 4096 products drifts enough to flip Q8 roundings downstream.
+        float lane[8] = {};
+        for (int k = 0; k < kc; ++k) lane[k % 8] += o[t * ldo + k] * w[r * ldw + k].to_float();
+        float acc = 0;
+        for (float v : lane) acc += v;
+        out[t * ldout + r] += acc;
+      }
+  }
+  static void b_pair(std::int32_t* p, std::int64_t ldp, const std::int8_t* a, std::int64_t lda,
+                     int nt, const std::int8_t* w, std::int64_t ldw, int kr,
+                     const std::int32_t* /*a_sum*/, std::int64_t /*ld_sum*/) {
+    for (int t = 0; t < nt; ++t)
+      for (int c = 0; c < 2; ++c) {
+        std::int32_t acc = 0;
+        for (int r = 0; r < kr; ++r) acc += std::int32_t(a[t * lda + r]) * w[c * ldw + r];
+        p[t * ldp + c] = acc;
+      }
+  }
+};
+
+#if TILEDECODE_X86
+struct Avx2Ops {
+  static void a_chunk(float* out, std::int64_t ldout, const float* o, std::int64_t ldo, int nt,
+                      const bf16* w, std::int64_t ldw, int nr, int kc, int nr_pf) {
+    avx2::oproj_a_chunk(out, ldout, o, ldo, nt, w, ldw, nr, kc, nr_pf);
+  }
+  static void b_pair(std::int32_t* p, std::int64_t ldp, const std::int8_t* a, std::int64_t lda,
+                     int nt, const std::int8_t* w, std::int64_t ldw, int kr,
+                     const std::int32_t* /*a_sum*/, std::int64_t /*ld_sum*/) {
+    avx2::oproj_b_pair(p, ldp, a, lda, nt, w, ldw, kr);
+  }
+};
+
+// avx2_vnni: the avx2 wo_a stage, the vpdpbusd wo_b tile.
+struct Avx2VnniOps : Avx2Ops {
+  static void b_pair(std::int32_t* p, std::int64_t ldp, const std::int8_t* a, std::int64_t lda,
+                     int nt, const std::int8_t* w, std::int64_t ldw, int kr,
+                     const std::int32_t* a_sum, std::int64_t ld_sum) {
+    avx2_vnni::oproj_b_pair(p, ldp, a, lda, nt, w, ldw, kr, a_sum, ld_sum);
+  }
+};
+template <Isa I>
+using MicroOps = std::conditional_t<I == Isa::avx2_vnni, Avx2VnniOps,
+                                    std::conditional_t<has_avx2(I), Avx2Ops, ScalarOps>>;
+#else
+template <Isa>
+using MicroOps = ScalarOps;
+#endif
+
+// The workspace parts of one call.
+template <Isa I>
+struct Schedule {
+  Cpu<I> be;
+  float* of;           // (G*T, K) FP32 o_packed
+  float* orr;          // (T, G, R) o_r
+  std::int8_t* a;      // (T, G*R) Q8 activations
+  float* adq;          // (T, G)
+  std::int32_t* asum;  // (T, G)
+};
+
+}  // namespace output_projection_detail
+
+template <Isa I>
+struct backend_ops_output_projection {
+  using Ops = output_projection_detail::MicroOps<I>;
+  using Sched = output_projection_detail::Schedule<I>;
+  using Layout = output_projection_detail::Layout;
+
+  static constexpr int groups_per_chain(int G) { return G; }  // one chain over every group
+
+  // FP32 o_packed copy, FP32 o_r, INT8 activations and their scales (+ 64 bytes of alignment
+  // slack); independent of the thread count.
+  static std::size_t workspace_bytes(const Cpu<I>&, const ModelConfig& cfg, index_t T) {
+    return Layout(cfg, std::size_t(std::max<index_t>(T, 0))).total + 64;
+  }
+  static void check(const Cpu<I>& be, const kernels::OutputProjectionArgs& a,
+                    std::span<const std::byte> ws) {
+    const std::size_t need = workspace_bytes(be, *a.cfg, a.tokens());
+    if (ws.size() < need)
+      throw_arg("output_projection", "workspace.size()", ws.size(),
+                ">= " + std::to_string(need) + " (output_projection_workspace_bytes(cfg, T))");
+  }
+  static Sched schedule(const Cpu<I>& be, const kernels::OutputProjectionArgs& a,
+                        std::span<std::byte> workspace) {
+    const Layout L(*a.cfg, std::size_t(a.tokens()));
+    const auto base = reinterpret_cast<std::uintptr_t>(workspace.data());
+    std::byte* ws = workspace.data() + (64 - base % 64) % 64;
+    return {be,
+            reinterpret_cast<float*>(ws + L.of),
+            reinterpret_cast<float*>(ws + L.orr),
+            reinterpret_cast<std::int8_t*>(ws + L.a),
+            reinterpret_cast<float*>(ws + L.adq),
+            reinterpret_cast<std::int32_t*>(ws + L.asum)};
+  }
+
+  static void project_a(const Sched& s, const kernels::OutputProjectionArgs& x, int g0, int g1) {
+    using namespace output_projection_detail;
+    const ModelConfig& cfg = *x.cfg;
+    const index_t T = x.tokens(), G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in();
+    s.be.tasks((g1 - g0) * T, [&](std::int64_t i) {
+      const index_t row = g0 * T + i;
+      for (index_t k = 0; k < K; ++k) s.of[row * K + k] = x.o_packed(row, k).to_float();
+    });
+    for (index_t t = 0; t < T; ++t)
+      for (index_t g = g0; g < g1; ++g) std::fill_n(s.orr + (t * G + g) * R, R, 0.0f);
+    const index_t row_tasks = (R + kRowsPerTask - 1) / kRowsPerTask;
+    s.be.tasks((g1 - g0) * row_tasks, [&](std::int64_t task) {
+      const index_t g = g0 + task / row_tasks, r0 = (task % row_tasks) * kRowsPerTask;
+      const int nr = int(std::min<index_t>(kRowsPerTask, R - r0));
+      const bf16* w = &x.wo_a(g, r0, 0);
+      for (index_t k0 = 0; k0 < K; k0 += kKChunk) {
+        const int kc = int(std::min<index_t>(kKChunk, K - k0));
+        for (index_t t0 = 0; t0 < T; t0 += kTokTile) {
+          const int nt = int(std::min<index_t>(kTokTile, T - t0));
+          // The rows after this task's, up to the end of the group, may be prefetched.
+          Ops::a_chunk(s.orr + (t0 * G + g) * R + r0, G * R, s.of + (g * T + t0) * K + k0, K, nt,
+                       w + k0, x.wo_a.stride(1), nr, kc, int(R - r0));
+        }
+      }
+    });
+  }
+  static void quantize(const Sched& s, const kernels::OutputProjectionArgs& x, int g0, int g1) {
+    const index_t T = x.tokens(), G = x.cfg->o_groups, R = x.cfg->o_lora;
+    s.be.tasks(T * (g1 - g0), [&](std::int64_t i) {
+      const index_t tg = (i / (g1 - g0)) * G + g0 + i % (g1 - g0);
+      s.adq[tg] = quantize_q8_row(I, s.a + tg * R, s.orr + tg * R, R);
+      std::int32_t sum = 0;
+      for (index_t r = 0; r < R; ++r) sum += s.a[tg * R + r];
+      s.asum[tg] = sum;
+    });
+  }
+  // P_g of every group for a 32-channel task, dequantised and summed over g in order while in
+  // registers, then scaled and rounded: the program's combine happens here.
+  static void project_b(const Sched& s, const kernels::OutputProjectionArgs& x, int g0, int g1) {
+    using namespace output_projection_detail;
+    const index_t T = x.tokens(), G = x.cfg->o_groups, R = x.cfg->o_lora, N = x.cfg->hidden;
+    const index_t chan_tasks = (N + kChanPerTask - 1) / kChanPerTask;
+    s.be.tasks(chan_tasks, [&](std::int64_t task) {
+      const index_t n0 = task * kChanPerTask, n1 = std::min<index_t>(N, n0 + kChanPerTask);
+      constexpr int kTok = 16;
+      for (index_t t0 = 0; t0 < T; t0 += kTok) {
+        const int nt = int(std::min<index_t>(kTok, T - t0));
+        for (index_t n = n0; n < n1; n += 2) {
+          // Odd channel count: pair the last channel with itself and keep one result.
+          const index_t n2 = std::min(n + 1, n1 - 1);
+          const std::int8_t* w = &x.wo_b(n, 0);
+          const std::int64_t ldw = &x.wo_b(n2, 0) - w;
+          float acc[kTok][2] = {};
+          for (index_t g = g0; g < g1; ++g) {
+            std::int32_t p[kTok][2];
+            Ops::b_pair(&p[0][0], 2, s.a + t0 * G * R + g * R, G * R, nt, w + g * R, ldw, int(R),
+                        s.asum + t0 * G + g, G);
+            for (int t = 0; t < nt; ++t)
+              for (int c = 0; c < 2; ++c) acc[t][c] += s.adq[(t0 + t) * G + g] * float(p[t][c]);
+          }
+          for (int t = 0; t < nt; ++t) {
+            x.attn_out(t0 + t, n) = bf16(x.wo_b_scale(n) * acc[t][0]);
+            if (n2 != n) x.attn_out(t0 + t, n2) = bf16(x.wo_b_scale(n2) * acc[t][1]);
+          }
+        }
+      }
+    });
+  }
+  static void combine(const Sched&, const kernels::OutputProjectionArgs&) {}  // fused above
+};
+
+}  // namespace tiledecode::cpu
+
+namespace tiledecode {
+template <cpu::Isa I>
+struct backend_ops<kernels::OutputProjection, cpu::Cpu<I>> : cpu::backend_ops_output_projection<I> {
+};
+}  // namespace tiledecode
+
+namespace tiledecode::kernels {
+// The CPU workspace for T tokens (independent of the thread count).
+inline std::size_t output_projection_workspace_bytes(const ModelConfig& cfg, index_t T) {
+  return cpu::output_projection_detail::Layout(cfg, std::size_t(std::max<index_t>(T, 0))).total +
+         64;
+}
+}  // namespace tiledecode::kernels
