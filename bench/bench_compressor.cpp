@@ -31,9 +31,9 @@
 
 #include "ceilings.hpp"
 #include "common/random.hpp"
+#include "tiledecode/backend/cpu/compressor.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/core/hadamard.hpp"
-#include "tiledecode/kernels/compressor.hpp"
 #include "tiledecode/paged/metadata.hpp"
 #include "tiledecode/rope/rope.hpp"
 

@@ -23,8 +23,8 @@
 #include "ceilings.hpp"
 #include "common/random.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
+#include "tiledecode/backend/cpu/indexer.hpp"
 #include "tiledecode/core/hadamard.hpp"
-#include "tiledecode/kernels/indexer.hpp"
 #include "tiledecode/paged/metadata.hpp"
 #include "tiledecode/rope/rope.hpp"
 

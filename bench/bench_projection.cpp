@@ -23,7 +23,7 @@
 
 #include "ceilings.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
-#include "tiledecode/kernels/qkv_projection.hpp"
+#include "tiledecode/backend/cpu/qkv_projection.hpp"
 #include "tiledecode/rope/rope.hpp"
 
 namespace td = tiledecode;

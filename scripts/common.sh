@@ -5,6 +5,8 @@ BUILD_DIR="${BUILD_DIR:-$ROOT/build}"
 JOBS="${JOBS:-$(nproc)}"
 
 TD_PACKAGES=(g++ cmake ninja-build libgtest-dev libgmock-dev libbenchmark-dev libeigen3-dev libfmt-dev)
+# A clang build (CC=clang CXX=clang++ ./scripts/test.sh) needs clang as well.
+case "${CXX:-}" in clang*) TD_PACKAGES+=(clang) ;; esac
 
 install_missing_packages() {
   local missing=()

@@ -15,7 +15,6 @@
 #include "common/random.hpp"
 #include "tiledecode/backend/a2a3/compressor.hpp"
 #include "tiledecode/backend/a2a3/indexer.hpp"
-#include "tiledecode/backend/a2a3/layer.hpp"
 #include "tiledecode/backend/a2a3/machine.hpp"
 #include "tiledecode/backend/a2a3/memory.hpp"
 #include "tiledecode/backend/a2a3/output_projection.hpp"
@@ -81,12 +80,28 @@ struct IndexerFixture {
     for (auto& s : idx_scale.flat()) s = rng.uniform(0.5f, 1.5f) / 127.0f;
   }
 
-  a2::IndexerInputs inputs() const {
-    return {x_n.view(),          qr.view(),        qr_scale.view(),  wq_b.view(), wq_b_scale.view(),
-            weights_proj.view(), hadamard.view(),  rope.view(),      pos.view(),  lens.view(),
-            idx_kv.view(),       idx_scale.view(), idx_table.view(), sh.seq,      0};
+  // The indexer's four kernels (query with RoPE at start_b, weights, score, top-k) on the model,
+  // reported as one kernel.
+  a2::KernelReport run(a2::Machine& m, a2::ScoreDesign design = a2::ScoreDesign::fused,
+                       int ring_slots = a2::kIdxRingSlots) {
+    const a2::Context ctx{&m, nullptr, design, ring_slots};
+    td::Tensor<std::int8_t, 3> q_i8({T, 64, 128});
+    td::Tensor<float, 2> q_sc({T, 64}), w({T, 64});
+    td::Tensor<std::int32_t, 1> rope_pos({T});
+    td::kernels::indexer_rope_positions(rope_pos.view(), pos.view(), sh.seq);
+    const auto wq = td::kernels::IndexerQueryWeights::views(cfg, wq_b.view(), wq_b_scale.view(),
+                                                            hadamard.view());
+    m.begin_kernel(design == a2::ScoreDesign::fused ? "indexer_fused" : "indexer_two_scope");
+    td::kernels::indexer_query(ctx, cfg, q_i8.view(), q_sc.view(), qr.view(), qr_scale.view(), wq,
+                               rope_pos.view(), rope.view());
+    td::kernels::indexer_weights(ctx, cfg, w.view(), x_n.view(), weights_proj.view());
+    td::kernels::indexer_score(ctx, cfg, score.view(), q_i8.view(), q_sc.view(), w.view(),
+                               idx_kv.view(), idx_scale.view(), idx_table.view(), pos.view(),
+                               lens.view(), sh.seq);
+    td::kernels::indexer_topk(ctx, cfg, topk.view(), score.view(), pos.view(), lens.view(), sh.seq,
+                              cfg.idx_topk, 0);
+    return m.end_kernel();
   }
-  a2::IndexerOutputs outputs() { return {score.view(), topk.view()}; }
 };
 
 // Golden of spec §7 (tiledecode::golden): query path (RoPE at start_b for both tokens,
@@ -314,9 +329,8 @@ TEST(A2a3Memory, PlanTimeOverflowNamesBufferNeedAndCapacity) {
 TEST(A2a3Memory, FusedScoreWithEightSlotRingIsRejectedAtPlanTime) {
   IndexerFixture f({8192, 0, 2, 3});
   a2::Machine m;
-  a2::IndexerWorkspace ws(f.T, f.cfg, false);
   try {
-    (void)a2::indexer(m, f.inputs(), f.outputs(), ws, f.cfg, a2::ScoreDesign::fused, 8);
+    (void)f.run(m, a2::ScoreDesign::fused, 8);
     FAIL() << "8-slot ring accepted";
   } catch (const td::Error& e) {
     const std::string w = e.what();
@@ -357,7 +371,8 @@ TEST(A2a3Ring, BackPressureDelaysTheProducer) {
       a2::Ring<std::int32_t> r(b.cube, b.vec0, "r", slots, 64, 64);
       auto consume = [&] {
         auto t = r.pop();
-        b.vec0.vec("slow", 64 * 64 * 16, 4, {&t.state()}, {&work.state()}, [] {});
+        b.vec0.vcast(a2::Sub<float>(work), a2::Sub<std::int32_t>(t), "cast");
+        for (int k = 0; k < 4; ++k) b.vec0.vexp(work, work, "slow");
         r.release();
       };
       for (int i = 0; i < 8; ++i) {
@@ -400,10 +415,9 @@ TEST_P(A2a3Indexer, FusedAndTwoScopeEqualReference) {
   const IndexerRef ref = indexer_reference(f);
   for (auto design : {a2::ScoreDesign::fused, a2::ScoreDesign::two_scope}) {
     a2::Machine m;
-    a2::IndexerWorkspace ws(f.T, f.cfg, design == a2::ScoreDesign::two_scope);
     std::fill(f.score.flat().begin(), f.score.flat().end(), 12345.0f);
     std::fill(f.topk.flat().begin(), f.topk.flat().end(), 777);
-    const auto rep = a2::indexer(m, f.inputs(), f.outputs(), ws, f.cfg, design);
+    const auto rep = f.run(m, design);
     EXPECT_GT(rep.latency_us(), 0.0);
     expect_indexer_matches(f, ref);
   }
@@ -418,9 +432,8 @@ INSTANTIATE_TEST_SUITE_P(CanonicalStarts, A2a3Indexer,
 TEST(A2a3IndexerCost, FusedMovesFewerGmBytesAndIsPredictedFaster) {
   IndexerFixture f({8192, 0, 2, 3});
   a2::Machine m1, m2;
-  a2::IndexerWorkspace w1(f.T, f.cfg, false), w2(f.T, f.cfg, true);
-  const auto fused = a2::indexer(m1, f.inputs(), f.outputs(), w1, f.cfg, a2::ScoreDesign::fused);
-  const auto two = a2::indexer(m2, f.inputs(), f.outputs(), w2, f.cfg, a2::ScoreDesign::two_scope);
+  const auto fused = f.run(m1, a2::ScoreDesign::fused);
+  const auto two = f.run(m2, a2::ScoreDesign::two_scope);
   EXPECT_LT(fused.traffic().gm_total(), two.traffic().gm_total());
   EXPECT_LT(fused.latency_us(), two.latency_us());
   EXPECT_GT(fused.traffic().ring, 0);
@@ -433,8 +446,7 @@ TEST(A2a3IndexerCost, DoublingThePagesDoublesTheKeyPageBytes) {
   auto page_bytes = [](std::int32_t start) {
     IndexerFixture f({start, start, start, start});
     a2::Machine m;
-    a2::IndexerWorkspace ws(f.T, f.cfg, false);
-    const auto rep = a2::indexer(m, f.inputs(), f.outputs(), ws, f.cfg);
+    const auto rep = f.run(m);
     for (const auto& l : rep.launches)
       if (l.name == "indexer.score_fused") return l.traffic;
     return a2::Traffic{};
@@ -450,15 +462,13 @@ TEST(A2a3IndexerCost, DoublingThePagesDoublesTheKeyPageBytes) {
 TEST(A2a3IndexerDeterminism, SameResultsAndTimesWithThreads) {
   IndexerFixture f({8192, 0, 2, 3});
   a2::Machine serial;
-  a2::IndexerWorkspace w1(f.T, f.cfg, false);
-  const auto r1 = a2::indexer(serial, f.inputs(), f.outputs(), w1, f.cfg);
+  const auto r1 = f.run(serial);
   const std::vector<float> s1(f.score.flat().begin(), f.score.flat().end());
   const std::vector<std::int32_t> k1(f.topk.flat().begin(), f.topk.flat().end());
   td::ThreadPool pool(4);
   a2::Machine threaded(&pool);
-  a2::IndexerWorkspace w2(f.T, f.cfg, false);
   std::fill(f.score.flat().begin(), f.score.flat().end(), 0.0f);
-  const auto r2 = a2::indexer(threaded, f.inputs(), f.outputs(), w2, f.cfg);
+  const auto r2 = f.run(threaded);
   EXPECT_TRUE(std::equal(s1.begin(), s1.end(), f.score.flat().begin()));
   EXPECT_TRUE(std::equal(k1.begin(), k1.end(), f.topk.flat().begin()));
   EXPECT_EQ(r1.latency_us(), r2.latency_us());
@@ -567,7 +577,7 @@ TEST(A2a3Cost, DoubleBufferingOverlapsPipes) {
                          for (int i = 0; i < 8; ++i) {
                            auto& x = t[std::size_t(i % nbuf)];
                            b.vec.copy_in(x, 0, td::ConstView<float, 2>(nullptr, {64, 256}));
-                           b.vec.vec("op", 64 * 256, 4, {&x.state()}, {&x.state()}, [] {});
+                           b.vec.vadds(x, x, 1.0f, "op");
                            b.vec.copy_out(td::View<float, 2>(nullptr, {64, 256}), x, 0);
                          }
                        })
@@ -589,34 +599,13 @@ TEST(A2a3Cost, WeightStreamingKernelsAreHbmBound) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Layers (timing-only front kernels) and outputs
-
-TEST(A2a3Layer, FrontKernelsAreTimedAndFunctionalModeIsRestored) {
-  td::ModelConfig cfg = td::flash_config();
-  a2::Machine m;
-  auto ks = a2::layer_pre_timing(m, cfg, 8);
-  EXPECT_EQ(ks.size(), 2u);
-  ks.push_back(a2::cache_write_timing(m, cfg, 8));
-  for (const auto& k : ks) EXPECT_GT(k.latency_us(), a2::kArch.launch_overhead_us) << k.name;
-  const auto post = a2::hc_post_timing(m, cfg, 8);
-  EXPECT_GT(post.latency_us(), a2::kArch.launch_overhead_us);
-  // Functional again: a copy moves data.
-  m.begin_kernel("k");
-  std::vector<float> src(256, 2.0f), dst(256, 0.0f);
-  m.launch_vector("copy", 1, [&](a2::VectorBlock& b) {
-    auto t = b.vec.alloc<float>(a2::Space::ub, "t", 1, 256);
-    b.vec.copy_in(t, 0, td::ConstView<float, 2>(src.data(), {1, 256}));
-    b.vec.copy_out(td::View<float, 2>(dst.data(), {1, 256}), t, 0);
-  });
-  EXPECT_EQ(dst, src);
-}
+// Trace and JSON report
 
 TEST(A2a3Trace, ChromeTraceAndJsonReport) {
   IndexerFixture f({8192, 0, 2, 3});
   a2::Machine m;
   m.set_tracing(true);
-  a2::IndexerWorkspace ws(f.T, f.cfg, false);
-  const auto rep = a2::indexer(m, f.inputs(), f.outputs(), ws, f.cfg);
+  const auto rep = f.run(m);
   std::ostringstream os;
   a2::write_chrome_trace(os, m);
   const std::string tr = os.str();
@@ -708,6 +697,22 @@ struct CompressorFixture {
   td::kernels::CompressorWeights weights() const {
     return {wkv.view(), wgate.view(), ape.view(), norm_w.view()};
   }
+  // The compressor step on the model.
+  a2::KernelReport run(a2::Machine& m, td::kernels::InnerRopePosition rule =
+                                           td::kernels::InnerRopePosition::window_start) {
+    std::vector<a2::KernelReport> reps;
+    const a2::Context ctx{&m, &reps};
+    td::Tensor<float, 1> ws({td::kernels::compressor_workspace_size(cfg, spec, sh.tokens())});
+    td::View<float, 2> no_kv_out;
+    if (inner)
+      td::kernels::indexer_compressor_step(ctx, cfg, state_pool.view(), idx_kv.view(),
+                                           idx_scale.view(), no_kv_out, x_n.view(), weights(),
+                                           hadamard.view(), meta(), rope.view(), ws.view(), rule);
+    else
+      td::kernels::compressor_step(ctx, cfg, spec, state_pool.view(), cmp_kv.view(), no_kv_out,
+                                   x_n.view(), weights(), meta(), rope.view(), ws.view());
+    return reps.at(0);
+  }
 };
 
 struct CompressorCase {
@@ -741,12 +746,7 @@ TEST_P(A2a3Compressor, EqualsGolden) {
     td::golden::compressor_step(cfg, spec, g.state_pool.view(), g.cmp_kv.view(), no_kv_out,
                                 g.x_n.view(), g.weights(), g.meta(), g.rope.view());
   a2::Machine m;
-  a2::CompressorWorkspace ws(8, spec);
-  a2::CompressorInputs in{spec,          f.x_n.view(), f.weights(),      f.meta(),
-                          f.rope.view(), rule,         f.hadamard.view()};
-  a2::CompressorOutputs out{f.state_pool.view(), f.cmp_kv.view(), f.idx_kv.view(),
-                            f.idx_scale.view()};
-  const auto rep = a2::compressor(m, in, out, ws, cfg, inner);
+  const auto rep = f.run(m, rule);
   EXPECT_GT(rep.latency_us(), 0.0);
   EXPECT_TRUE(tdtest::ratio_allclose(f.state_pool.flat(), g.state_pool.flat(), 1e-3, 1e-3, 0.0));
   if (inner) {
@@ -793,23 +793,15 @@ TEST(A2a3IndexerWithInnerCompressor, EqualsGoldenComposition) {
   std::copy(cg.idx_kv.flat().begin(), cg.idx_kv.flat().end(), f.idx_kv.flat().begin());
   std::copy(cg.idx_scale.flat().begin(), cg.idx_scale.flat().end(), f.idx_scale.flat().begin());
   const IndexerRef ref = indexer_reference(f);
-  // a2a3: one indexer kernel with the functional inner compressor on c's cache.
+  // a2a3: the inner compressor on c's cache, then the indexer on the refreshed cache.
   a2::Machine m;
-  a2::IndexerWorkspace ws(f.T, f.cfg, false);
-  a2::CompressorWorkspace cws(8, spec);
-  a2::InnerCompressorStep inner{
-      {spec, c.x_n.view(), c.weights(), c.meta(), c.rope.view(), rule, c.hadamard.view()},
-      {c.state_pool.view(), c.cmp_kv.view(), c.idx_kv.view(), c.idx_scale.view()},
-      &cws};
-  a2::IndexerInputs in = f.inputs();
-  in.idx_kv = c.idx_kv.view();
-  in.idx_scale = c.idx_scale.view();
-  const a2::InnerCompressorStep* inner_step = &inner;
-  const auto rep =
-      a2::indexer(m, in, f.outputs(), ws, f.cfg, a2::ScoreDesign::fused, 2, inner_step);
-  bool has_inner = false;
-  for (const auto& l : rep.launches) has_inner = has_inner || l.name == "indexer.inner_cmp.pool";
-  EXPECT_TRUE(has_inner);
+  const auto inner_rep = c.run(m, rule);
+  bool has_pool = false;
+  for (const auto& l : inner_rep.launches) has_pool = has_pool || l.name == "inner_cmp.pool";
+  EXPECT_TRUE(has_pool);
+  std::copy(c.idx_kv.flat().begin(), c.idx_kv.flat().end(), f.idx_kv.flat().begin());
+  std::copy(c.idx_scale.flat().begin(), c.idx_scale.flat().end(), f.idx_scale.flat().begin());
+  (void)f.run(m);
   std::vector<float> a(c.idx_kv.flat().begin(), c.idx_kv.flat().end()),
       e(cg.idx_kv.flat().begin(), cg.idx_kv.flat().end());
   EXPECT_TRUE(tdtest::ratio_allclose(a, e, 1.0, 0.0, 0.01));
@@ -847,10 +839,13 @@ TEST(A2a3QkvProjection, EqualsGolden) {
   td::golden::qkv_projection(qg.view(), kvg.view(), qrg.view(), qsg.view(), x_n.view(), w,
                              rope.view(), pos.view(), cfg);
   a2::Machine m;
-  a2::QkvWorkspace ws(int(T), cfg);
-  const auto rep = a2::qkv_projection(m, q.view(), kv.view(), qr.view(), qs.view(), x_n.view(), w,
-                                      rope.view(), pos.view(), ws, cfg);
-  EXPECT_EQ(rep.launches.size(), 4u);
+  std::vector<a2::KernelReport> reps;
+  const a2::Context ctx{&m, &reps};
+  td::kernels::QkvScratchStorage ws(ctx, cfg, T);
+  td::kernels::qkv_projection(ctx, q.view(), kv.view(), qr.view(), qs.view(), x_n.view(), w,
+                              rope.view(), pos.view(), ws.view(), cfg);
+  ASSERT_EQ(reps.size(), 1u);
+  EXPECT_EQ(reps[0].launches.size(), 4u);
   auto f = [](const auto& t) { return tdtest::to_floats(std::span<const td::bf16>(t.flat())); };
   EXPECT_TRUE(tdtest::ratio_allclose(f(q), f(qg), 1e-4, 1.0 / 128, 0.0));
   EXPECT_TRUE(tdtest::ratio_allclose(f(kv), f(kvg), 1e-4, 1.0 / 128, 0.0));

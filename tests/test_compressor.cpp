@@ -17,10 +17,10 @@
 
 #include "common/compare.hpp"
 #include "common/random.hpp"
+#include "tiledecode/backend/cpu/compressor.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/core/hadamard.hpp"
 #include "tiledecode/golden/compressor.hpp"
-#include "tiledecode/kernels/compressor.hpp"
 #include "tiledecode/paged/metadata.hpp"
 #include "tiledecode/rope/rope.hpp"
 

@@ -178,7 +178,7 @@ TEST(DecodeStep, RejectsBadArgumentsBeforeWriting) {
   EXPECT_THROW(
       td::decode::hca_step(be, x.view(), x.view(), w, L.caches.view(), md, L.rope.view(), ws, cfg),
       td::Error);
-  // The a2a3 seam.
+  // An a2a3 backend with no machine, and a workspace sized for the CPU backend.
   auto a2 = be;
   a2.kind = td::decode::BackendKind::a2a3;
   EXPECT_THROW(

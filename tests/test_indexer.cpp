@@ -14,9 +14,9 @@
 #include "common/compare.hpp"
 #include "common/random.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
+#include "tiledecode/backend/cpu/indexer.hpp"
 #include "tiledecode/core/hadamard.hpp"
 #include "tiledecode/golden/indexer.hpp"
-#include "tiledecode/kernels/indexer.hpp"
 #include "tiledecode/paged/metadata.hpp"
 #include "tiledecode/rope/rope.hpp"
 

@@ -11,15 +11,15 @@
 #include "common/compare.hpp"
 #include "common/decode_fixture.hpp"
 #include "common/random.hpp"
+#include "tiledecode/backend/cpu/hyper_connection.hpp"
+#include "tiledecode/backend/cpu/qkv_projection.hpp"
+#include "tiledecode/backend/cpu/rmsnorm.hpp"
 #include "tiledecode/decode/step.hpp"
 #include "tiledecode/decode/synthetic.hpp"
 #include "tiledecode/golden/decode_layer.hpp"
 #include "tiledecode/golden/hyper_connection.hpp"
 #include "tiledecode/golden/qkv_projection.hpp"
 #include "tiledecode/golden/rmsnorm.hpp"
-#include "tiledecode/kernels/hyper_connection.hpp"
-#include "tiledecode/kernels/qkv_projection.hpp"
-#include "tiledecode/kernels/rmsnorm.hpp"
 
 namespace td = tiledecode;
 using td::bf16;
@@ -340,6 +340,7 @@ TEST(QkvProjection, PackedVnniBitIdenticalToAvx2) {
 // The packed kernel alone against the scalar twin, on activations the projection cannot produce
 // (Q8 stops at ±127): random INT8 incl. -128, all -128 × all -128 (the largest |sum|) and
 // -128 × 127, T = 1..8, K = 1024 and 256, several column widths (register-tile tails).
+#if TILEDECODE_X86
 TEST(QkvProjection, PackedVnniMatmulExactOnExtremes) {
   if (!td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
   tdtest::Rng rng(77);
@@ -375,6 +376,11 @@ TEST(QkvProjection, PackedVnniMatmulExactOnExtremes) {
     }
   }
 }
+#else
+TEST(QkvProjection, PackedVnniMatmulExactOnExtremes) {
+  GTEST_SKIP() << "the AVX-VNNI tier exists on x86 only";
+}
+#endif
 
 TEST(QkvProjection, ProShapesMatchGolden) {
   QkvFixture f(td::pro_config(), 4, 33);

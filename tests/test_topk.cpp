@@ -8,6 +8,7 @@
 
 #include "common/compare.hpp"
 #include "common/random.hpp"
+#include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/golden/indexer.hpp"
 #include "tiledecode/kernels/topk.hpp"
 

@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "tiledecode/backend/cpu/compressor.hpp"
 #include "tiledecode/backend/cpu/output_projection.hpp"
 #include "tiledecode/backend/cpu/sparse_attention.hpp"
 #include "tiledecode/decode/step.hpp"
@@ -15,11 +16,10 @@
 #include "tiledecode/golden/indexer.hpp"
 #include "tiledecode/golden/output_projection.hpp"
 #include "tiledecode/golden/sparse_attention.hpp"
-#include "tiledecode/kernels/compressor.hpp"
 #include "tiledecode/kernels/topk.hpp"
 
-#if __has_include("tiledecode/kernels/indexer.hpp")
-#include "tiledecode/kernels/indexer.hpp"
+#if __has_include("tiledecode/backend/cpu/indexer.hpp")
+#include "tiledecode/backend/cpu/indexer.hpp"
 #define TDPEER_HAVE_INDEXER 1
 #else
 #define TDPEER_HAVE_INDEXER 0

@@ -3,9 +3,14 @@
 // CPU backend. The golden references (tiledecode/golden/*.hpp) and the a2a3 execution model
 // (tiledecode/backend/a2a3/*.hpp) are included separately by the code that wants them.
 
+#include "tiledecode/backend/cpu/compressor.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
+#include "tiledecode/backend/cpu/hyper_connection.hpp"
+#include "tiledecode/backend/cpu/indexer.hpp"
 #include "tiledecode/backend/cpu/isa.hpp"
 #include "tiledecode/backend/cpu/output_projection.hpp"
+#include "tiledecode/backend/cpu/qkv_projection.hpp"
+#include "tiledecode/backend/cpu/rmsnorm.hpp"
 #include "tiledecode/backend/cpu/sparse_attention.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/config.hpp"
@@ -15,11 +20,6 @@
 #include "tiledecode/core/quant.hpp"
 #include "tiledecode/core/view.hpp"
 #include "tiledecode/decode/step.hpp"
-#include "tiledecode/kernels/compressor.hpp"
-#include "tiledecode/kernels/hyper_connection.hpp"
-#include "tiledecode/kernels/indexer.hpp"
-#include "tiledecode/kernels/qkv_projection.hpp"
-#include "tiledecode/kernels/rmsnorm.hpp"
 #include "tiledecode/kernels/topk.hpp"
 #include "tiledecode/paged/cache.hpp"
 #include "tiledecode/paged/metadata.hpp"

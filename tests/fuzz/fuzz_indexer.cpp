@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "fuzz_common.hpp"
+#include "tiledecode/backend/cpu/indexer.hpp"
 #include "tiledecode/golden/indexer.hpp"
-#include "tiledecode/kernels/indexer.hpp"
 
 namespace td = tiledecode;
 namespace tk = tiledecode::kernels;

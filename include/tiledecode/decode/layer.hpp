@@ -16,13 +16,13 @@
 
 #include <cstdint>
 
+#include "tiledecode/backend/cpu/compressor.hpp"
+#include "tiledecode/backend/cpu/hyper_connection.hpp"
+#include "tiledecode/backend/cpu/indexer.hpp"
+#include "tiledecode/backend/cpu/qkv_projection.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/config.hpp"
 #include "tiledecode/core/view.hpp"
-#include "tiledecode/kernels/compressor.hpp"
-#include "tiledecode/kernels/hyper_connection.hpp"
-#include "tiledecode/kernels/indexer.hpp"
-#include "tiledecode/kernels/qkv_projection.hpp"
 #include "tiledecode/paged/step_metadata.hpp"
 
 namespace tiledecode::decode {

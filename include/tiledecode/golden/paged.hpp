@@ -1,8 +1,10 @@
 #pragma once
-// Golden twins of the paged-KV metadata builders and of cache write / gather (spec §3),
-// written element by element straight from the spec formulas with bounds-checked access
-// (View::at). They do not validate arguments beyond that (a bad index throws from at()); they
-// are the oracle for valid inputs. Same names and argument order as tiledecode::paged.
+// Golden twins of the paged-KV metadata builders and of cache write / gather (spec §3; HEAD
+// addendum §2.2, §3.2, §7), written element by element straight from the spec formulas with
+// bounds-checked access (View::at). They do not validate arguments beyond that (a bad index
+// throws from at()); they are the oracle for valid inputs. Same names and argument order as
+// tiledecode::paged where a twin exists. Independent of rules/paging.hpp (the fast path's copy):
+// only types (StepShape, Layout) come from paged/metadata.hpp, no formula.
 
 #include <algorithm>
 #include <cstdint>
@@ -106,6 +108,86 @@ inline void build_window_indices(View<std::int32_t, 2> idx, View<std::int32_t, 1
           k < len ? std::int32_t(phys_slot(block_table, t / sh.seq, w0 + k, cfg.page)) : -1;
     }
   }
+}
+
+// --- HEAD addendum: ring writers (§2.2, §3.2) ------------------------------------------------
+
+// Addendum §2.2, #862 form (compressed-row paging, P = cfg.page rows per page): on a boundary
+// (p + 1) mod R == 0 with s < commit_tokens, c = p // R and
+//   slot = cmp[b, (c // P) mod n]·P + c mod P,   n = block_counts[b, count_col];
+// -1 if the entry is negative, no committed boundary.
+inline void build_ring862_compressed_slot_mapping(View<std::int64_t, 1> dst,
+                                                  ConstView<std::int32_t, 1> positions,
+                                                  ConstView<std::int32_t, 2> table,
+                                                  ConstView<std::int32_t, 2> block_counts,
+                                                  int count_col, int ratio, const StepShape& sh,
+                                                  const ModelConfig& cfg) {
+  const index_t P = cfg.page;
+  for (index_t t = 0; t < sh.tokens(); ++t) {
+    const index_t b = t / sh.seq, s = t % sh.seq, p = positions.at(t);
+    std::int64_t slot = -1;
+    if ((p + 1) % ratio == 0) {
+      const index_t c = p / ratio, n = block_counts.at(b, count_col);
+      const index_t entry = table.at(b, (c / P) % n);
+      if (entry >= 0) slot = entry * P + c % P;
+    }
+    if (sh.commit_tokens >= 0 && s >= sh.commit_tokens) slot = -1;
+    dst.at(t) = slot;
+  }
+}
+
+// Addendum §3.2, prefix-caching form: on a boundary, source block j = p // 128 and in-block
+// offset o = (p mod 128) // R (128 = cfg.page, the source tokens per column), rows per page
+// 128 / R:
+//   csa_cmp / csa_idx: table[b, j mod n]·32 + o ;  hca_cmp: table[b, j mod n]·1 + 0.
+inline void build_prefix_compressed_slot_mapping(View<std::int64_t, 1> dst,
+                                                 ConstView<std::int32_t, 1> positions,
+                                                 ConstView<std::int32_t, 2> table,
+                                                 ConstView<std::int32_t, 2> block_counts,
+                                                 int count_col, int ratio, const StepShape& sh,
+                                                 const ModelConfig& cfg) {
+  const index_t tokens_per_col = cfg.page, rows = cfg.page / ratio;
+  for (index_t t = 0; t < sh.tokens(); ++t) {
+    const index_t b = t / sh.seq, s = t % sh.seq, p = positions.at(t);
+    std::int64_t slot = -1;
+    if ((p + 1) % ratio == 0) {
+      const index_t j = p / tokens_per_col, o = (p % tokens_per_col) / ratio;
+      const index_t n = block_counts.at(b, count_col);
+      const index_t entry = table.at(b, j % n);
+      if (entry >= 0) slot = entry * rows + o;
+    }
+    if (sh.commit_tokens >= 0 && s >= sh.commit_tokens) slot = -1;
+    dst.at(t) = slot;
+  }
+}
+
+// Addendum §2.2 / §7 state writers: slot = table[b, (p // SB) mod n]·SB + p mod SB for every token
+// (no commit masking); -1 if the entry is negative.
+inline void build_ring_state_slot_mapping(View<std::int64_t, 1> dst,
+                                          ConstView<std::int32_t, 1> positions,
+                                          ConstView<std::int32_t, 2> state_table,
+                                          ConstView<std::int32_t, 2> block_counts, int count_col,
+                                          int state_page, const StepShape& sh) {
+  for (index_t t = 0; t < sh.tokens(); ++t) {
+    const index_t b = t / sh.seq, p = positions.at(t), n = block_counts.at(b, count_col);
+    const index_t entry = state_table.at(b, (p / state_page) % n);
+    dst.at(t) = entry >= 0 ? entry * state_page + p % state_page : -1;
+  }
+}
+
+// Addendum §2.3.2 option (a): table[b, L] == table[b, L mod n] for every L in [first, last].
+inline bool ring_table_is_periodic(ConstView<std::int32_t, 2> table, index_t b, index_t n,
+                                   index_t first, index_t last) {
+  for (index_t L = first; L <= last; ++L)
+    if (table.at(b, L) != table.at(b, L % n)) return false;
+  return true;
+}
+
+// Reader of compressed row c (addendum §3.2 / §3.3): table[b, c // rows]·rows + c mod rows,
+// rows = cfg.page / R (prefix caching) or cfg.page; -1 past the table or for a negative entry.
+inline std::int64_t compressed_row_slot(ConstView<std::int32_t, 2> table, index_t b, index_t c,
+                                        index_t rows) {
+  return phys_slot(table, b, c, rows);
 }
 
 // Cache write: pool[slot[t]] = rows[t] where slot[t] >= 0, in token order.

@@ -46,31 +46,37 @@
 //     (zero-initialised fixtures: score 0, kv 0, so they take part with weight e^0).
 //   * Main compressors rotate at the window start c*R (spec §5).
 //
-// Fast path: the projections read 2 × OUT_DIM × D BF16 weights per step and dominate. Tasks own
-// 24 weight rows; a 3-row × 4-token register tile (BF16 → FP32 by a shift, FMA into lane-wise
-// accumulators) makes one pass over K per token group, so the weights stream from DRAM once per
-// step (software prefetch ahead) and are re-read from L1/L2 by later token groups. Pooling is an
-// online softmax over chunks of 8 candidates. Work is split by shape only (weight rows, channels),
-// each output has one fixed reduction order, so results are bit-identical for any thread count.
-// The AVX2 path is chosen by ctx.isa; the scalar twin is always compiled.
+// CPU fast path (backend/cpu/compressor.hpp): the projections read 2 × OUT_DIM × D BF16 weights per
+// step and dominate. Tasks own 24 weight rows; a 3-row × 4-token register tile (BF16 → FP32 by a
+// shift, FMA into lane-wise accumulators) makes one pass over K per token group, so the weights
+// stream from DRAM once per step (software prefetch ahead) and are re-read from L1/L2 by later
+// token groups. Pooling is an online softmax over chunks of 8 candidates. Work is split by shape
+// only (weight rows, channels), each output has one fixed reduction order, so results are
+// bit-identical for any thread count. The AVX2 path is chosen by ctx.isa; the scalar twin is always
+// compiled.
+
+// Program (below): project (the BF16 tile matmul of x_n with [wkv; wgate], + ape) -> per request,
+// in order: the state rows, then every committed boundary: the gated pool of its window (rules/
+// compressor.hpp), RMSNorm + RoPE, and the emit (main: BF16 row; inner: BF16 -> Hadamard -> BF16 ->
+// Q8); then `finish` (a backend that batches the inner emit across tokens — the a2a3 Hadamard and
+// Q8 launches — completes it there).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <span>
 #include <string>
 #include <string_view>
 
-#include "tiledecode/backend/cpu/compressor_avx2.hpp"
-#include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/config.hpp"
 #include "tiledecode/core/error.hpp"
-#include "tiledecode/core/quant.hpp"
+#include "tiledecode/core/validate.hpp"
 #include "tiledecode/core/view.hpp"
 #include "tiledecode/paged/metadata.hpp"
 #include "tiledecode/rope/rope.hpp"
+#include "tiledecode/rules/compressor.hpp"
+#include "tiledecode/tile/backend.hpp"
 
 namespace tiledecode::kernels {
 
@@ -146,78 +152,10 @@ constexpr index_t compressor_workspace_size(const ModelConfig& cfg, const Compre
          detail::ws_round(spec.state_width()) + 3 * detail::ws_round(spec.head_dim);
 }
 
-namespace detail {
-
-// ---------------------------------------------------------------------------------------------
-// Scalar twins of the AVX2 microkernels in backend/cpu/compressor_avx2.hpp: same task split,
-// same lane-wise summation order (8 lanes, ascending k, the AVX2 horizontal-sum tree), same
-// candidate order; one row at a time (no register tile), std::exp instead of the polynomial exp.
-
-// out[t*ld_out + r] = Σ_k x[t*ld_x + k] * w[r*ld_w + k]; 8 lane-wise partial sums per output.
-inline void project_rows_scalar(float* out, index_t ld_out, const float* x, index_t ld_x,
-                                index_t n_tok, const bf16* w, index_t ld_w, index_t n_rows,
-                                index_t d) {
-  constexpr int G = cpu::kCompressorTokenGroup;
-  for (index_t tg = 0; tg < n_tok; tg += G) {
-    const int nt = static_cast<int>(std::min<index_t>(G, n_tok - tg));
-    const float* xg = x + tg * ld_x;
-    for (index_t r = 0; r < n_rows; ++r) {
-      float acc[G][8] = {};  // (tokens, lanes) partial sums of this row
-      const bf16* wr = w + r * ld_w;
-      for (index_t k = 0; k < d; k += 8) {
-        float wf[8];
-        for (int l = 0; l < 8; ++l) wf[l] = wr[k + l].to_float();
-        for (int t = 0; t < nt; ++t) {
-          const float* xt = xg + t * ld_x + k;
-          for (int l = 0; l < 8; ++l) acc[t][l] += wf[l] * xt[l];
-        }
-      }
-      for (int t = 0; t < nt; ++t) {
-        const float* a = acc[t];
-        out[(tg + t) * ld_out + r] =
-            ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-      }
-    }
-  }
-}
-
-inline void pool_channels_scalar(float* pooled, const float* const* kv, const float* const* score,
-                                 int n_cand, index_t c0, index_t c1) {
-  for (index_t c = c0; c < c1; ++c) {
-    float m = kNegBig, l = 0.0f, acc = 0.0f;
-    for (int j0 = 0; j0 < n_cand; j0 += cpu::kCompressorPoolChunk) {
-      const int j1 = std::min(n_cand, j0 + cpu::kCompressorPoolChunk);
-      float m_new = m;
-      for (int j = j0; j < j1; ++j) m_new = std::max(m_new, score[j][c]);
-      const float alpha = std::exp(m - m_new);
-      l *= alpha;
-      acc *= alpha;
-      for (int j = j0; j < j1; ++j) {
-        const float p = std::exp(score[j][c] - m_new);
-        l += p;
-        acc += p * kv[j][c];
-      }
-      m = m_new;
-    }
-    pooled[c] = l > 0.0f ? acc / l : 0.0f;
-  }
-}
-
-inline void hadamard_row_scalar(float* z, const float* y, const bf16* h, index_t ld_h, index_t n) {
-  for (index_t j = 0; j < n; ++j) z[j] = 0.0f;
-  for (index_t i = 0; i < n; ++i) {
-    const float yi = y[i];
-    const bf16* hr = h + i * ld_h;
-    for (index_t j = 0; j < n; ++j) z[j] += yi * hr[j].to_float();
-  }
-}
-
-inline bool use_avx2(const cpu::Context& ctx) {
-  return TILEDECODE_X86 && cpu::has_avx2(ctx.isa);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Validation (once, before the first write).
+
+namespace detail {
 
 inline bool view_given(index_t size, const void* data) {
   return data != nullptr && size > 0;
@@ -227,6 +165,7 @@ template <class T>
 void check_matrix(std::string_view where, std::string_view arg, ConstView<T, 2> v, index_t rows,
                   index_t cols) {
   // The argument name is built only on failure: validation runs every step, allocation-free.
+  check_view(where, arg, v);  // extents >= 0 (a negative extent would reach a memcpy size)
   if (rows >= 0 && v.extent(0) != rows)
     check_equal(where, std::string(arg) + ".extent(0)", v.extent(0), rows);
   if (v.extent(1) != cols) check_equal(where, std::string(arg) + ".extent(1)", v.extent(1), cols);
@@ -276,7 +215,10 @@ inline void check_compressor_args(std::string_view where, const ModelConfig& cfg
   check_equal(where, "positions.extent(0)", meta.positions.extent(0), T);
   check_equal(where, "state_slot_mapping.extent(0)", meta.state_slot_mapping.extent(0), T);
   check_equal(where, "cmp_slot_mapping.extent(0)", meta.cmp_slot_mapping.extent(0), T);
-  check_equal(where, "state_table.extent(0)", meta.state_table.extent(0), B);
+  check_view(where, "state_table", meta.state_table);
+  // A table may have more rows than B (an engine's max-batch table); rows 0..B-1 are read.
+  if (meta.state_table.extent(0) < B)
+    check_at_least(where, "state_table.extent(0)", meta.state_table.extent(0), B);
   check_at_least(where, "state_table.extent(1)", meta.state_table.extent(1), index_t(1));
 
   const index_t state_rows = state_pool.extent(0);
@@ -315,7 +257,7 @@ inline void check_compressor_args(std::string_view where, const ModelConfig& cfg
     const index_t first = (spec.overlap && c > 0) ? (c - 1) * R : c * R;
     for (index_t col = first / page; col <= pos / page && col < cols; ++col) {
       const index_t blk = meta.state_table(b, col);
-      if (blk >= state_blocks) {
+      if (blk < -1 || blk >= state_blocks) {  // -1 is the only unmapped marker
         throw_arg(where, "state_table[" + std::to_string(b) + "," + std::to_string(col) + "]", blk,
                   "[-1, " + std::to_string(state_blocks) + ") (state pool blocks)");
       }
@@ -326,169 +268,103 @@ inline void check_compressor_args(std::string_view where, const ModelConfig& cfg
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// The step, shared by both entry points; `emit(slot)` stores the normalised row ws.y.
-
-struct CompressorWorkspace {
-  float* x32;       // (T, D)
-  float* proj;      // (T, 2*OUT_DIM): [kv | g] = the state rows of this step
-  float* null_row;  // (2*OUT_DIM): kv 0, score kNegBig — stands in for unmapped state rows
-  float* pooled;    // (head_dim)
-  float* y;         // (head_dim)
-  float* z;         // (head_dim)
-};
-
-inline CompressorWorkspace carve_workspace(const ModelConfig& cfg, const CompressorSpec& spec,
-                                           index_t T, float* ws) {
-  CompressorWorkspace w{};
-  w.x32 = ws;
-  w.proj = w.x32 + ws_round(T * cfg.hidden);
-  w.null_row = w.proj + ws_round(T * spec.state_width());
-  w.pooled = w.null_row + ws_round(spec.state_width());
-  w.y = w.pooled + ws_round(spec.head_dim);
-  w.z = w.y + ws_round(spec.head_dim);
-  return w;
-}
-
-// Projections of all T tokens: ws.proj[t] = [x_n[t] @ wkv^T | x_n[t] @ wgate^T + ape[pos % R]].
-inline void compressor_project(const cpu::Context& ctx, const ModelConfig& cfg,
-                               const CompressorSpec& spec, ConstView<bf16, 2> x_n,
-                               const CompressorWeights& w, ConstView<std::int32_t, 1> positions,
-                               const CompressorWorkspace& ws) {
-  const index_t T = x_n.extent(0), D = cfg.hidden, OUT = spec.out_dim(), SW = spec.state_width();
-  ctx.parallel_for(0, T, 1, [&](std::int64_t t) {
-    const bf16* src = x_n.data() + t * x_n.stride(0);
-    float* dst = ws.x32 + t * D;
-    for (index_t k = 0; k < D; ++k) dst[k] = src[k].to_float();
-  });
-  const bool avx2 = use_avx2(ctx);
-  // Tasks of RB rows of wkv, then of wgate: the split depends on the shape only.
-  constexpr index_t RB = cpu::kCompressorRowBlock;
-  const index_t per = (OUT + RB - 1) / RB;
-  ctx.parallel_for(0, 2 * per, 1, [&](std::int64_t i) {
-    const bool gate = i >= per;
-    const ConstView<bf16, 2>& m = gate ? w.wgate : w.wkv;
-    const index_t r0 = (gate ? i - per : i) * RB, n = std::min(RB, OUT - r0);
-    float* out = ws.proj + (gate ? OUT : 0) + r0;
-    const bf16* wr = m.data() + r0 * m.stride(0);
-#if TILEDECODE_X86
-    if (avx2) {
-      cpu::avx2::compressor_project_rows(out, SW, ws.x32, D, T, wr, m.stride(0), n, D, OUT - r0);
-      return;
-    }
-#endif
-    project_rows_scalar(out, SW, ws.x32, D, T, wr, m.stride(0), n, D);
-  });
-  for (index_t t = 0; t < T; ++t) {
-    const index_t a = positions(t) % spec.ratio;
-    float* g = ws.proj + t * SW + OUT;
-    for (index_t o = 0; o < OUT; ++o) g[o] += w.ape(a, o);
-  }
-}
-
-// Pools the window closed by token t (request b, compressed row c) into ws.pooled.
-inline void compressor_pool(const cpu::Context& ctx, const ModelConfig& cfg,
-                            const CompressorSpec& spec, ConstView<float, 2> state_pool,
-                            ConstView<std::int32_t, 2> state_table, index_t b, index_t c,
-                            const CompressorWorkspace& ws) {
-  const index_t R = spec.ratio, HD = spec.head_dim, OUT = spec.out_dim();
-  const index_t page = compressor_state_page(cfg, spec);
-  const index_t cols = state_table.extent(1);
-  // State row of absolute position p, or the masked row for an unmapped page.
-  auto row_of = [&](index_t p) -> const float* {
-    const index_t col = p / page;
-    const index_t blk = col < cols ? index_t(state_table(b, col)) : -1;
-    return blk < 0 ? ws.null_row
-                   : state_pool.data() + (blk * page + p % page) * state_pool.stride(0);
-  };
-  const float* kv[2 * 128];
-  const float* sc[2 * 128];
-  int n = 0;
-  if (spec.overlap) {
-    if (c > 0) {
-      for (index_t p = (c - 1) * R; p < c * R; ++p, ++n) {  // front halves of the previous window
-        kv[n] = row_of(p);
-        sc[n] = kv[n] + OUT;
-      }
-    }
-    for (index_t p = c * R; p < (c + 1) * R; ++p, ++n) {  // back halves of the current window
-      const float* r = row_of(p);
-      kv[n] = r + HD;
-      sc[n] = r + OUT + HD;
-    }
-  } else {
-    for (index_t p = c * R; p < (c + 1) * R; ++p, ++n) {
-      kv[n] = row_of(p);
-      sc[n] = kv[n] + OUT;
-    }
-  }
-  const bool avx2 = use_avx2(ctx);
-  // Channel blocks only where the window is long enough to be worth a task (shape-only rule).
-  const index_t grain = n >= 64 ? 64 : HD;
-  ctx.parallel_for(0, (HD + grain - 1) / grain, 1, [&](std::int64_t i) {
-    const index_t c0 = i * grain, c1 = std::min(HD, c0 + grain);
-#if TILEDECODE_X86
-    if (avx2) {
-      cpu::avx2::compressor_pool_channels(ws.pooled, kv, sc, n, c0, c1);
-      return;
-    }
-#endif
-    pool_channels_scalar(ws.pooled, kv, sc, n, c0, c1);
-  });
-}
-
-// y = rmsnorm(pooled, norm_w) with forward RoPE on the last 64 dims at rope_pos.
-inline void compressor_norm_rope(const ModelConfig& cfg, const CompressorSpec& spec,
-                                 ConstView<bf16, 1> norm_w, const RopeTableView& rope,
-                                 index_t rope_pos, const CompressorWorkspace& ws) {
-  const index_t HD = spec.head_dim;
-  float lanes[8] = {};
-  for (index_t i = 0; i < HD; ++i) lanes[i % 8] += ws.pooled[i] * ws.pooled[i];
-  const float ss = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) +
-                   ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-  const float r = 1.0f / std::sqrt(ss / float(HD) + cfg.rms_eps);
-  for (index_t i = 0; i < HD; ++i) ws.y[i] = ws.pooled[i] * r * norm_w(i).to_float();
-  rope_forward(std::span<float>(ws.y + HD - kRopeDim, kRopeDim), rope, rope_pos);
-}
-
-template <class Emit>
-void compressor_run(const cpu::Context& ctx, const ModelConfig& cfg, const CompressorSpec& spec,
-                    View<float, 2> state_pool, View<float, 2> kv_out, ConstView<bf16, 2> x_n,
-                    const CompressorWeights& w, const CompressorMetadata& meta,
-                    const RopeTableView& rope, InnerRopePosition rope_rule,
-                    View<float, 1> workspace, Emit&& emit) {
-  const index_t T = meta.shape.tokens(), S = meta.shape.seq, B = meta.shape.batch;
-  const index_t SW = spec.state_width(), OUT = spec.out_dim(), HD = spec.head_dim;
-  const CompressorWorkspace ws = carve_workspace(cfg, spec, T, workspace.data());
-  compressor_project(ctx, cfg, spec, x_n, w, meta.positions, ws);
-  for (index_t i = 0; i < SW; ++i) ws.null_row[i] = i < OUT ? 0.0f : kNegBig;
-  const bool has_kv_out = view_given(kv_out.size(), kv_out.data());
-  for (index_t b = 0; b < B; ++b) {
-    for (index_t s = 0; s < S; ++s) {
-      const index_t t = b * S + s, slot = meta.state_slot_mapping(t);
-      if (slot >= 0) {
-        std::memcpy(state_pool.data() + slot * state_pool.stride(0), ws.proj + t * SW,
-                    sizeof(float) * std::size_t(SW));
-      }
-    }
-    for (index_t s = 0; s < S; ++s) {
-      const index_t t = b * S + s, slot = meta.cmp_slot_mapping(t);
-      if (slot < 0) continue;
-      const index_t c = meta.positions(t) / spec.ratio;
-      compressor_pool(ctx, cfg, spec, state_pool, meta.state_table, b, c, ws);
-      const index_t rope_pos = rope_rule == InnerRopePosition::request_start
-                                   ? index_t(meta.positions(b * S))
-                                   : c * spec.ratio;
-      compressor_norm_rope(cfg, spec, w.norm_w, rope, rope_pos, ws);
-      emit(slot);
-      if (has_kv_out) std::memcpy(&kv_out(b, 0), ws.y, sizeof(float) * std::size_t(HD));
-    }
-  }
-}
-
 }  // namespace detail
 
-// One main-compressor step (CSA ratio 4 overlapping or HCA ratio 128; spec §6.1–§6.3).
+// ---------------------------------------------------------------------------------------------
+// The program.
+
+struct Compressor {
+  static constexpr std::string_view kernel_name(const CompressorSpec& s, bool inner) {
+    return inner ? "indexer_inner_compressor"
+                 : (s.ratio == 4 ? "compressor_ratio4" : "compressor_ratio128");
+  }
+};
+
+struct CompressorArgs {
+  const ModelConfig* cfg = nullptr;
+  CompressorSpec spec;
+  bool inner = false;           // the indexer's inner compressor (emits INT8 index rows)
+  View<float, 2> state_pool;    // (rows, 2*OUT_DIM), updated
+  View<bf16, 2> cmp_kv;         // main: (rows, head_dim)
+  View<std::int8_t, 2> idx_kv;  // inner: (rows, head_dim)
+  View<float, 1> idx_scale;     // inner: (rows)
+  View<float, 2> kv_out;        // optional (B, head_dim) FP32 emitted rows
+  ConstView<bf16, 2> x_n;       // (T, D)
+  CompressorWeights w;
+  ConstView<bf16, 2> hadamard;  // inner: (head_dim, head_dim)
+  CompressorMetadata meta;
+  RopeTableView rope;
+  InnerRopePosition rope_rule = InnerRopePosition::window_start;
+  View<float, 1> workspace;
+  index_t tokens() const { return meta.shape.tokens(); }
+  bool has_kv_out() const { return detail::view_given(kv_out.size(), kv_out.data()); }
+  // RoPE position of compressed row c of request b.
+  index_t rope_position(index_t b, index_t c) const {
+    return rules::compressed_row_rope_position(rope_rule == InnerRopePosition::request_start, c,
+                                               spec.ratio, meta.positions(b * meta.shape.seq));
+  }
+};
+
+inline void validate(const CompressorArgs& a) {
+  const std::string_view where = a.inner ? "indexer_compressor_step" : "compressor_step";
+  const ModelConfig& cfg = *a.cfg;
+  index_t cache_rows = 0;
+  if (a.inner) {
+    check_equal(where, "spec.head_dim", a.spec.head_dim, cfg.idx_head_dim);
+    check_view(where, "idx_kv_cache", a.idx_kv);
+    detail::check_matrix<std::int8_t>(where, "idx_kv_cache", a.idx_kv, -1, a.spec.head_dim);
+    check_extents(where, "idx_kv_scale", a.idx_scale, {a.idx_kv.extent(0)});
+    check_view(where, "hadamard", a.hadamard);
+    detail::check_matrix<bf16>(where, "hadamard", a.hadamard, a.spec.head_dim, a.spec.head_dim);
+    if (a.rope_rule != InnerRopePosition::window_start &&
+        a.rope_rule != InnerRopePosition::request_start)
+      throw_arg(where, "rope_rule", int(a.rope_rule), "window_start or request_start");
+    cache_rows = a.idx_kv.extent(0);
+  } else {
+    check_equal(where, "spec.head_dim", a.spec.head_dim, cfg.head_dim);
+    check_view(where, "cmp_kv", a.cmp_kv);
+    detail::check_matrix<bf16>(where, "cmp_kv", a.cmp_kv, -1, a.spec.head_dim);
+    if (a.rope_rule != InnerRopePosition::window_start)
+      throw_arg(where, "rope_rule", int(a.rope_rule), "window_start (main compressors)");
+    cache_rows = a.cmp_kv.extent(0);
+  }
+  detail::check_compressor_args(where, cfg, a.spec, a.state_pool, cache_rows, a.kv_out, a.x_n, a.w,
+                                a.meta, a.rope, a.rope_rule, a.workspace);
+}
+
+// The tile program (both backends).
+template <class B>
+void compressor_program(const B& be, const CompressorArgs& a) {
+  using Ops = ops_for<Compressor, B>;
+  const index_t S = a.meta.shape.seq;
+  Ops::project(be, a);  // proj[t] = [x_n[t]·wkvᵀ | x_n[t]·wgateᵀ + ape[pos % R]]
+  // Requests in order, each scattering its state rows before it pools (fixture pools alias
+  // across requests, spec §3.8; kernel and golden follow the same order).
+  Ops::for_requests(be, a, [&](auto& lane, index_t b) {
+    for (index_t s = 0; s < S; ++s) Ops::store_state(lane, a, b * S + s);  // state_slot ← proj
+    Ops::state_barrier(lane);
+    for (index_t s = 0; s < S; ++s) {
+      const index_t t = b * S + s, slot = a.meta.cmp_slot_mapping(t);
+      if (slot < 0) continue;  // no committed boundary
+      const index_t c = a.meta.positions(t) / a.spec.ratio;
+      Ops::pool(lane, a, b, c);                        // gated softmax over the window
+      Ops::norm_rope(lane, a, a.rope_position(b, c));  // RMSNorm·norm_w, RoPE (last 64)
+      Ops::emit(lane, a, b, t, slot);                  // cmp_kv row / index row (+ kv_out)
+    }
+  });
+  Ops::finish(be, a);
+}
+
+template <class Be>
+void run_compressor(const Be& be, const CompressorArgs& a) {
+  dispatch(be, [&](const auto& b) {
+    validate(a);
+    ops_for<Compressor, decltype(b)>::check(b, a);
+    b.kernel(Compressor::kernel_name(a.spec, a.inner), [&] { compressor_program(b, a); });
+  });
+}
+
+// One main-compressor step (CSA ratio 4 overlapping or HCA ratio 128; spec §6.1–§6.3), on `be`.
 //   state_pool  (rows, 2*OUT_DIM) FP32, in/out: flattened state pages (rows = blocks * page,
 //               page 4 for ratio 4, 8 for ratio 128); row state_slot_mapping[t] ← [kv_t | g_t].
 //   cmp_kv      (rows, 512) BF16, out: row cmp_slot_mapping[t] ← the compressed row.
@@ -500,25 +376,25 @@ void compressor_run(const cpu::Context& ctx, const ModelConfig& cfg, const Compr
 //   rope        the layer's table (CSA/HCA profile); rows up to the largest c*R rotated.
 //   workspace   >= compressor_workspace_size(cfg, spec, T) floats, unit stride.
 // Throws tiledecode::Error, before writing anything, on any shape, slot, table-id or position
-// outside its range (see detail::check_compressor_args).
-inline void compressor_step(const cpu::Context& ctx, const ModelConfig& cfg,
-                            const CompressorSpec& spec, View<float, 2> state_pool,
-                            View<bf16, 2> cmp_kv, View<float, 2> kv_out, ConstView<bf16, 2> x_n,
-                            const CompressorWeights& w, const CompressorMetadata& meta,
-                            const RopeTableView& rope, View<float, 1> workspace) {
-  constexpr std::string_view where = "compressor_step";
-  check_equal(where, "spec.head_dim", spec.head_dim, cfg.head_dim);
-  detail::check_matrix<bf16>(where, "cmp_kv", cmp_kv, -1, spec.head_dim);
-  detail::check_compressor_args(where, cfg, spec, state_pool, cmp_kv.extent(0), kv_out, x_n, w,
-                                meta, rope, InnerRopePosition::window_start, workspace);
-  const index_t HD = spec.head_dim;
-  const detail::CompressorWorkspace ws =
-      detail::carve_workspace(cfg, spec, meta.shape.tokens(), workspace.data());
-  detail::compressor_run(ctx, cfg, spec, state_pool, kv_out, x_n, w, meta, rope,
-                         InnerRopePosition::window_start, workspace, [&](index_t slot) {
-                           bf16* dst = cmp_kv.data() + slot * cmp_kv.stride(0);
-                           for (index_t i = 0; i < HD; ++i) dst[i] = bf16(ws.y[i]);
-                         });
+// outside its range.
+template <class Be>
+void compressor_step(const Be& be, const ModelConfig& cfg, const CompressorSpec& spec,
+                     View<float, 2> state_pool, View<bf16, 2> cmp_kv, View<float, 2> kv_out,
+                     ConstView<bf16, 2> x_n, const CompressorWeights& w,
+                     const CompressorMetadata& meta, const RopeTableView& rope,
+                     View<float, 1> workspace) {
+  CompressorArgs a;
+  a.cfg = &cfg;
+  a.spec = spec;
+  a.state_pool = state_pool;
+  a.cmp_kv = cmp_kv;
+  a.kv_out = kv_out;
+  a.x_n = x_n;
+  a.w = w;
+  a.meta = meta;
+  a.rope = rope;
+  a.workspace = workspace;
+  run_compressor(be, a);
 }
 
 // One indexer inner-compressor step (spec §6.4): as compressor_step with
@@ -530,50 +406,30 @@ inline void compressor_step(const cpu::Context& ctx, const ModelConfig& cfg,
 //                 fixture's Sylvester H/sqrt(128) or any other matrix, spec §6.4 [QUIRK]).
 //   rope_rule     position of the rotation (see InnerRopePosition; window_start by default).
 //   kv_out        (B, 128) FP32 optional: y before the BF16 rounding and the Hadamard.
-inline void indexer_compressor_step(const cpu::Context& ctx, const ModelConfig& cfg,
-                                    View<float, 2> state_pool, View<std::int8_t, 2> idx_kv_cache,
-                                    View<float, 1> idx_kv_scale, View<float, 2> kv_out,
-                                    ConstView<bf16, 2> x_n, const CompressorWeights& w,
-                                    ConstView<bf16, 2> hadamard, const CompressorMetadata& meta,
-                                    const RopeTableView& rope, View<float, 1> workspace,
-                                    InnerRopePosition rope_rule = InnerRopePosition::window_start) {
-  constexpr std::string_view where = "indexer_compressor_step";
-  const CompressorSpec spec = indexer_compressor_spec(cfg);
-  const index_t HD = spec.head_dim;
-  detail::check_matrix<std::int8_t>(where, "idx_kv_cache", idx_kv_cache, -1, HD);
-  check_equal(where, "idx_kv_scale.extent(0)", idx_kv_scale.extent(0), idx_kv_cache.extent(0));
-  detail::check_matrix<bf16>(where, "hadamard", hadamard, HD, HD);
-  if (rope_rule != InnerRopePosition::window_start &&
-      rope_rule != InnerRopePosition::request_start) {
-    throw_arg(where, "rope_rule", int(rope_rule), "window_start or request_start");
-  }
-  detail::check_compressor_args(where, cfg, spec, state_pool, idx_kv_cache.extent(0), kv_out, x_n,
-                                w, meta, rope, rope_rule, workspace);
-  const detail::CompressorWorkspace ws =
-      detail::carve_workspace(cfg, spec, meta.shape.tokens(), workspace.data());
-  const bool avx2 = detail::use_avx2(ctx);
-  detail::compressor_run(
-      ctx, cfg, spec, state_pool, kv_out, x_n, w, meta, rope, rope_rule, workspace,
-      [&](index_t slot) {
-        // y_bf = bf16(y) (pooled buffer reused), z = y_bf @ H, z_bf = bf16(z), Q8.
-        for (index_t i = 0; i < HD; ++i) ws.pooled[i] = round_bf16(ws.y[i]);
-#if TILEDECODE_X86
-        if (avx2) {
-          cpu::avx2::compressor_hadamard_row(ws.z, ws.pooled, hadamard.data(), hadamard.stride(0),
-                                             HD);
-        } else {
-          detail::hadamard_row_scalar(ws.z, ws.pooled, hadamard.data(), hadamard.stride(0), HD);
-        }
-#else
-        (void)avx2;
-        detail::hadamard_row_scalar(ws.z, ws.pooled, hadamard.data(), hadamard.stride(0), HD);
-#endif
-        for (index_t i = 0; i < HD; ++i) ws.z[i] = round_bf16(ws.z[i]);
-        idx_kv_scale(slot) =
-            quantize_q8(std::span<std::int8_t>(idx_kv_cache.data() + slot * idx_kv_cache.stride(0),
-                                               std::size_t(HD)),
-                        std::span<const float>(ws.z, std::size_t(HD)));
-      });
+template <class Be>
+void indexer_compressor_step(const Be& be, const ModelConfig& cfg, View<float, 2> state_pool,
+                             View<std::int8_t, 2> idx_kv_cache, View<float, 1> idx_kv_scale,
+                             View<float, 2> kv_out, ConstView<bf16, 2> x_n,
+                             const CompressorWeights& w, ConstView<bf16, 2> hadamard,
+                             const CompressorMetadata& meta, const RopeTableView& rope,
+                             View<float, 1> workspace,
+                             InnerRopePosition rope_rule = InnerRopePosition::window_start) {
+  CompressorArgs a;
+  a.cfg = &cfg;
+  a.spec = indexer_compressor_spec(cfg);
+  a.inner = true;
+  a.state_pool = state_pool;
+  a.idx_kv = idx_kv_cache;
+  a.idx_scale = idx_kv_scale;
+  a.kv_out = kv_out;
+  a.x_n = x_n;
+  a.w = w;
+  a.hadamard = hadamard;
+  a.meta = meta;
+  a.rope = rope;
+  a.rope_rule = rope_rule;
+  a.workspace = workspace;
+  run_compressor(be, a);
 }
 
 }  // namespace tiledecode::kernels

@@ -1,5 +1,6 @@
 #pragma once
-// Hyper-connections around one attention layer (spec §4 steps 1 and 5).
+// Hyper-connections around one attention layer (spec §4 steps 1 and 5) — contracts and tile
+// programs of hc_pre and hc_post.
 //
 // The residual stream of DeepSeek-V4 is `hc_mult` = 4 parallel copies ("streams") of the hidden
 // state, x_hc [T, 4, D] FP32. The spec only sketches hc_pre ("RMS-scaled linear mix, sigmoid
@@ -18,36 +19,35 @@
 //   post[i]    = 2 * sigmoid(mix[4+i] * scale[1] + base[4+i])   i < 4 (output gate in (0, 2))
 //   c[i][o]    = mix[8+4i+o] * scale[2] + base[8+4i+o]
 //   Sinkhorn, 20 iterations (kHcSinkhornIters), eps = kHcEps = 1e-6:
-//     iteration 1:  c = softmax_o(c) + eps ; c[i][o] /= (Σ_i c[i][o] + eps)      (rows, then
-//     columns) iterations 2..20: c[i][o] /= (Σ_o c[i][o] + eps) ; c[i][o] /= (Σ_i c[i][o] + eps)
+//     iteration 1:  c = softmax_o(c) + eps ; c[i][o] /= (Σ_i c[i][o] + eps)   (rows, then columns)
+//     iterations 2..20: c[i][o] /= (Σ_o c[i][o] + eps) ; c[i][o] /= (Σ_i c[i][o] + eps)
 //   so the last normalisation is over the input index i: every output stream o receives a convex
 //   combination of the input streams (Σ_i comb[i][o] ≈ 1).
-//   x_mixed[t] = bf16( Σ_i pre[i] * x_hc[t, i, :] )             (i ascending, FP32)
+//   x_mixed[t] = bf16( Σ_i pre[i] * x_hc[t, i, :] )             (i ascending)
 //   comb[t] = c (FP32 [4,4], index [i][o]), post[t] = post (FP32 [4]).
 // hc_post (spec §4 step 5), FP32, no rounding:
 //   y[t, o, :] = attn_out[t, :] * post[t, o] + Σ_i x_hc[t, i, :] * comb[t, i, o]   (i ascending)
 //
-// Numerical contract: hc_pre runs in double — the mix dot products (FP32 × FP32 products are
-// exact in double; AVX2: 8 lanes then a fixed horizontal sum, scalar: sequential), the RMS
-// scale, the gates, the Sinkhorn iterations and the mix-in sum — and rounds to BF16 via FP32 at
-// the end. It costs nothing at decode sizes (24 × 4D multiply-adds per token) and it matters:
-// x_mixed feeds the INT8 quantisation of the q-latent, where a single BF16 rounding flip upstream
-// changes a quantised value and spreads to the whole token (spec §10.2 tolerances assume the
-// front-end tracks the reference). The golden twin (golden/hyper_connection.hpp) computes the
-// same formulas sequentially in double, so the two agree up to double rounding. hc_post is FP32
-// (spec), a·post first, then the streams i = 0..3.
-// Parallel split: the 24 mix rows (8 tasks of 3 rows, all tokens), then one task per token.
+// Programs: hc_pre = the mix stage (the 24 dot products of every token: a tile matmul), then per
+// token the RMS scale, the gates (`hc_gates` below, the one copy of the gate and Sinkhorn
+// formulas both backends run: the CPU in double, the a2a3 model's scalar unit in FP32) and the
+// mix-in; hc_post = per (token, column chunk) the combine. The CPU runs hc_pre in double (it keeps
+// x_mixed on the reference's side of BF16 rounding boundaries, which matters because x_mixed feeds
+// the q-latent's INT8 quantisation); the a2a3 vector unit in FP32.
 // NaN/Inf in x_hc propagate into the outputs (no check; the residual stream is the engine's).
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <span>
+#include <string_view>
 
-#include "tiledecode/backend/cpu/context.hpp"
-#include "tiledecode/backend/cpu/decode_avx2.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/config.hpp"
 #include "tiledecode/core/error.hpp"
+#include "tiledecode/core/validate.hpp"
 #include "tiledecode/core/view.hpp"
+#include "tiledecode/tile/backend.hpp"
 
 namespace tiledecode {
 
@@ -65,195 +65,173 @@ struct HcWeights {
 
 namespace kernels {
 
-namespace detail {
-inline void check_hc_weights(std::string_view where, const HcWeights& w, const ModelConfig& cfg) {
-  check_equal(where, "cfg.hc_mult", cfg.hc_mult, kHcStreams);
-  check_equal<index_t>(where, "weights.fn.extent(0)", w.fn.extent(0), kHcMixes);
-  check_equal<index_t>(where, "weights.fn.extent(1)", w.fn.extent(1),
-                       index_t(kHcStreams) * cfg.hidden);
-  check_equal<index_t>(where, "weights.fn.stride(1)", w.fn.stride(1), 1);
-  check_equal<index_t>(where, "weights.scale.extent(0)", w.scale.extent(0), 3);
-  check_equal<index_t>(where, "weights.base.extent(0)", w.base.extent(0), kHcMixes);
-}
+struct HcPre {
+  static constexpr std::string_view kernel_name = "hc_pre";
+};
+struct HcPost {
+  static constexpr std::string_view kernel_name = "hc_post";
+};
 
-// Gates and Sinkhorn of one token from its 24 RMS-scaled mixes (double; formulas above).
-inline void hc_gates(double pre[4], double post[4], double comb[16], const double mix[24],
-                     const HcWeights& w) {
-  const auto sigmoid = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };
-  const double eps = kHcEps;
-  const double s0 = w.scale(0), s1 = w.scale(1), s2 = w.scale(2);
+// Gates and Sinkhorn of one token from its 24 RMS-scaled mixes (formulas above), in the
+// arithmetic type R (double on the CPU, float on the a2a3 model's scalar unit).
+template <class R>
+void hc_gates(R pre[4], R post[4], R comb[16], const R mix[24], const R scale[3],
+              const R base[24]) {
+  const auto sigmoid = [](R v) { return R(1) / (R(1) + std::exp(-v)); };
+  const R eps = R(kHcEps);
   for (int i = 0; i < 4; ++i) {
-    pre[i] = sigmoid(mix[i] * s0 + w.base(i)) + eps;
-    post[i] = 2.0 * sigmoid(mix[4 + i] * s1 + w.base(4 + i));
+    pre[i] = sigmoid(mix[i] * scale[0] + base[i]) + eps;
+    post[i] = R(2) * sigmoid(mix[4 + i] * scale[1] + base[4 + i]);
   }
   for (int i = 0; i < 4; ++i) {
-    double m = -INFINITY;
+    R m = -INFINITY;
     for (int o = 0; o < 4; ++o) {
-      comb[i * 4 + o] = mix[8 + i * 4 + o] * s2 + w.base(8 + i * 4 + o);
+      comb[i * 4 + o] = mix[8 + i * 4 + o] * scale[2] + base[8 + i * 4 + o];
       m = std::fmax(m, comb[i * 4 + o]);
     }
-    double sum = 0.0;
+    R sum = 0;
     for (int o = 0; o < 4; ++o) sum += (comb[i * 4 + o] = std::exp(comb[i * 4 + o] - m));
     for (int o = 0; o < 4; ++o) comb[i * 4 + o] = comb[i * 4 + o] / sum + eps;
   }
   const auto normalise_columns = [&] {
     for (int o = 0; o < 4; ++o) {
-      const double s = comb[0 * 4 + o] + comb[1 * 4 + o] + comb[2 * 4 + o] + comb[3 * 4 + o];
+      const R s = comb[0 * 4 + o] + comb[1 * 4 + o] + comb[2 * 4 + o] + comb[3 * 4 + o];
       for (int i = 0; i < 4; ++i) comb[i * 4 + o] /= (s + eps);
     }
   };
   normalise_columns();
   for (int it = 1; it < kHcSinkhornIters; ++it) {
     for (int i = 0; i < 4; ++i) {
-      const double s = comb[i * 4 + 0] + comb[i * 4 + 1] + comb[i * 4 + 2] + comb[i * 4 + 3];
+      const R s = comb[i * 4 + 0] + comb[i * 4 + 1] + comb[i * 4 + 2] + comb[i * 4 + 3];
       for (int o = 0; o < 4; ++o) comb[i * 4 + o] /= (s + eps);
     }
     normalise_columns();
   }
 }
-}  // namespace detail
 
-// hc_pre: x_mixed (T, D) BF16, post (T, 4) FP32, comb (T, 4, 4) FP32 [i][o] ← x_hc (T, 4, D)
-// FP32 and the layer's HcWeights. `mixes` (T, 24) double is caller scratch. All views row-major
-// contiguous in their last dimension. Throws tiledecode::Error on a shape mismatch.
-inline void hc_pre(const cpu::Context& ctx, View<bf16, 2> x_mixed, View<float, 2> post,
-                   View<float, 3> comb, ConstView<float, 3> x_hc, const HcWeights& w,
-                   View<double, 2> mixes, const ModelConfig& cfg) {
+inline void check_hc_weights(std::string_view where, const HcWeights& w, const ModelConfig& cfg) {
+  check_equal(where, "cfg.hc_mult", cfg.hc_mult, kHcStreams);
+  check_rows(where, "weights.fn", w.fn, {kHcMixes, index_t(kHcStreams) * cfg.hidden});
+  check_extents(where, "weights.scale", w.scale, {3});
+  check_extents(where, "weights.base", w.base, {kHcMixes});
+}
+
+struct HcPreArgs {
+  const ModelConfig* cfg = nullptr;
+  View<bf16, 2> x_mixed;     // (T, D)
+  View<float, 2> post;       // (T, 4)
+  View<float, 3> comb;       // (T, 4, 4) [i][o]
+  ConstView<float, 3> x_hc;  // (T, 4, D)
+  HcWeights w;
+  std::span<std::byte> workspace;  // >= hc_pre_workspace_bytes(be, cfg, T): the mixes
+  index_t tokens() const { return x_hc.extent(0); }
+};
+
+inline void validate(const HcPreArgs& a) {
   constexpr std::string_view where = "hc_pre";
-  detail::check_hc_weights(where, w, cfg);
-  const index_t T = x_hc.extent(0), D = cfg.hidden;
-  check_equal<index_t>(where, "x_hc.extent(1)", x_hc.extent(1), kHcStreams);
-  check_equal<index_t>(where, "x_hc.extent(2)", x_hc.extent(2), D);
-  check_equal<index_t>(where, "x_hc.stride(1)", x_hc.stride(1), D);
-  check_equal<index_t>(where, "x_hc.stride(2)", x_hc.stride(2), 1);
-  check_equal<index_t>(where, "x_mixed.extent(0)", x_mixed.extent(0), T);
-  check_equal<index_t>(where, "x_mixed.extent(1)", x_mixed.extent(1), D);
-  check_equal<index_t>(where, "x_mixed.stride(1)", x_mixed.stride(1), 1);
-  check_equal<index_t>(where, "post.extent(0)", post.extent(0), T);
-  check_equal<index_t>(where, "post.extent(1)", post.extent(1), kHcStreams);
-  check_equal<index_t>(where, "comb.extent(0)", comb.extent(0), T);
-  check_equal<index_t>(where, "comb.extent(1)", comb.extent(1), kHcStreams);
-  check_equal<index_t>(where, "comb.extent(2)", comb.extent(2), kHcStreams);
-  check_equal<index_t>(where, "mixes.extent(0)", mixes.extent(0), T);
-  check_equal<index_t>(where, "mixes.extent(1)", mixes.extent(1), kHcMixes);
-  const index_t n = kHcStreams * D;
-  [[maybe_unused]] const bool avx2 = cpu::has_avx2(ctx.isa) && TILEDECODE_X86;
+  check_hc_weights(where, a.w, *a.cfg);
+  check_view(where, "x_hc", a.x_hc);
+  const index_t T = a.x_hc.extent(0), D = a.cfg->hidden;
+  check_rows(where, "x_hc", a.x_hc, {T, kHcStreams, D});
+  check_equal<index_t>(where, "x_hc.stride(1)", a.x_hc.stride(1), D);
+  check_rows(where, "x_mixed", a.x_mixed, {T, D});
+  check_extents(where, "post", a.post, {T, kHcStreams});
+  check_extents(where, "comb", a.comb, {T, kHcStreams, kHcStreams});
+}
 
-  // Pass 1: the 24 mixes of every token; one task per 3 weight rows (fn streams once), in
-  // register tiles of 3 rows × 2 tokens on AVX2 (bit-identical to one dot_f32_f64 per pair).
-  constexpr int kRows = 3, kToks = 2;
-  static_assert(kHcMixes % kRows == 0);
-  ctx.parallel_for(0, kHcMixes / kRows, 1, [&](std::int64_t task) {
-    const index_t j0 = task * kRows;
-    const float* f = w.fn.data() + j0 * w.fn.stride(0);
-    index_t t = 0;
-#if TILEDECODE_X86
-    if (avx2) {
-      double s[kRows * kToks];
-      for (; t + kToks <= T; t += kToks) {
-        cpu::avx2::dot_f32_f64_tile<kRows, kToks>(
-            s, f, w.fn.stride(0), x_hc.data() + t * x_hc.stride(0), x_hc.stride(0), n);
-        for (int r = 0; r < kRows; ++r)
-          for (int u = 0; u < kToks; ++u) mixes(t + u, j0 + r) = s[r * kToks + u];
-      }
-      for (; t < T; ++t) {
-        cpu::avx2::dot_f32_f64_tile<kRows, 1>(s, f, w.fn.stride(0),
-                                              x_hc.data() + t * x_hc.stride(0), x_hc.stride(0), n);
-        for (int r = 0; r < kRows; ++r) mixes(t, j0 + r) = s[r];
-      }
-    }
-#endif
-    for (; t < T; ++t) {
-      const float* x = x_hc.data() + t * x_hc.stride(0);
-      for (int r = 0; r < kRows; ++r) {
-        const float* fr = f + r * w.fn.stride(0);
-        double s = 0.0;
-        for (index_t k = 0; k < n; ++k) s += double(fr[k]) * double(x[k]);
-        mixes(t, j0 + r) = s;
-      }
-    }
-  });
-  // Pass 2: per token RMS scale, gates, Sinkhorn and the BF16 mix-in.
-  ctx.parallel_for(0, T, 1, [&](std::int64_t t) {
-    const float* x = x_hc.data() + t * x_hc.stride(0);
-    double ss = 0.0;
-#if TILEDECODE_X86
-    if (avx2) {
-      ss = cpu::avx2::dot_f32_f64(x, x, n);
-    } else
-#endif
-    {
-      for (index_t k = 0; k < n; ++k) ss += double(x[k]) * double(x[k]);
-    }
-    const double r = 1.0 / std::sqrt(ss / double(n) + double(cfg.rms_eps));
-    double mix[kHcMixes], pre[4], po[4], cb[16];
-    for (int j = 0; j < kHcMixes; ++j) mix[j] = mixes(t, j) * r;
-    detail::hc_gates(pre, po, cb, mix, w);
-    for (int i = 0; i < 4; ++i) post(t, i) = float(po[i]);
-    for (int i = 0; i < 4; ++i)
-      for (int o = 0; o < 4; ++o) comb(t, i, o) = float(cb[i * 4 + o]);
-    bf16* dst = x_mixed.data() + t * x_mixed.stride(0);
-    for (index_t k = 0; k < D; ++k) {
-      double s = pre[0] * x[k];
-      s += pre[1] * x[D + k];
-      s += pre[2] * x[2 * D + k];
-      s += pre[3] * x[3 * D + k];
-      dst[k] = bf16(float(s));
-    }
+struct HcPostArgs {
+  const ModelConfig* cfg = nullptr;
+  View<float, 3> y;             // (T, 4, D)
+  ConstView<bf16, 2> attn_out;  // (T, D)
+  ConstView<float, 3> x_hc;     // (T, 4, D)
+  ConstView<float, 2> post;     // (T, 4)
+  ConstView<float, 3> comb;     // (T, 4, 4)
+  index_t tokens() const { return x_hc.extent(0); }
+};
+
+inline void validate(const HcPostArgs& a) {
+  constexpr std::string_view where = "hc_post";
+  check_equal(where, "cfg.hc_mult", a.cfg->hc_mult, kHcStreams);
+  check_view(where, "x_hc", a.x_hc);
+  const index_t T = a.x_hc.extent(0), D = a.cfg->hidden;
+  check_rows(where, "y", a.y, {T, kHcStreams, D});
+  check_rows(where, "attn_out", a.attn_out, {T, D});
+  check_rows(where, "x_hc", a.x_hc, {T, kHcStreams, D});
+  check_extents(where, "post", a.post, {T, kHcStreams});
+  check_extents(where, "comb", a.comb, {T, kHcStreams, kHcStreams});
+  if (a.y.data() != nullptr && static_cast<const void*>(a.y.data()) == a.x_hc.data())
+    throw_arg(where, "y", "x_hc's buffer", "a buffer distinct from x_hc");
+}
+
+// hc_pre: the mixes of every token (a tile matmul over the 4·D inputs), then per token the RMS
+// scale, hc_gates and the mix-in.
+template <class B>
+void hc_pre_program(const B& be, const HcPreArgs& a) {
+  using Ops = ops_for<HcPre, B>;
+  Ops::mixes(be, a);  // mixes[t, j] = fn[j] · x_hc[t]
+  Ops::for_tokens(be, a, [&](auto& lane, index_t t) {
+    Ops::rms_scale(lane, a, t);  // mix *= 1 / sqrt(mean(x²) + eps)
+    Ops::gates(lane, a, t);      // pre, post, comb (hc_gates)
+    Ops::mix_in(lane, a, t);     // x_mixed = bf16(Σ_i pre_i x_i)
   });
 }
 
+// hc_post: y[t, o, :] = attn_out[t]·post[t, o] + Σ_i x_hc[t, i, :]·comb[t, i, o].
+template <class B>
+void hc_post_program(const B& be, const HcPostArgs& a) {
+  using Ops = ops_for<HcPost, B>;
+  Ops::for_chunks(be, a, [&](auto& lane, index_t t, index_t c0, index_t n) {
+    Ops::combine(lane, a, t, c0, n);
+  });
+}
+
+// Scratch bytes hc_pre needs on backend `be` for T tokens.
+template <class Be>
+std::size_t hc_pre_workspace_bytes(const Be& be, const ModelConfig& cfg, index_t tokens) {
+  return dispatch(be, [&](const auto& b) {
+    return ops_for<HcPre, decltype(b)>::workspace_bytes(b, cfg, tokens);
+  });
+}
+
+// hc_pre: x_mixed (T, D) BF16, post (T, 4) FP32, comb (T, 4, 4) FP32 [i][o] ← x_hc (T, 4, D)
+// FP32 and the layer's HcWeights, on backend `be`; workspace >= hc_pre_workspace_bytes(be, cfg,
+// T). All views row-major contiguous in their last dimension. Throws tiledecode::Error on a shape
+// mismatch before writing anything.
+template <class Be>
+void hc_pre(const Be& be, View<bf16, 2> x_mixed, View<float, 2> post, View<float, 3> comb,
+            ConstView<float, 3> x_hc, const HcWeights& w, std::span<std::byte> workspace,
+            const ModelConfig& cfg) {
+  const HcPreArgs a{&cfg, x_mixed, post, comb, x_hc, w, workspace};
+  dispatch(be, [&](const auto& b) {
+    validate(a);
+    ops_for<HcPre, decltype(b)>::check(b, a);
+    if (a.tokens() == 0) return;
+    b.kernel(HcPre::kernel_name, [&] { hc_pre_program(b, a); });
+  });
+}
+
+// The same with the mixes scratch as a (T, 24) double view (the CPU layout).
+template <class Be>
+void hc_pre(const Be& be, View<bf16, 2> x_mixed, View<float, 2> post, View<float, 3> comb,
+            ConstView<float, 3> x_hc, const HcWeights& w, View<double, 2> mixes,
+            const ModelConfig& cfg) {
+  check_rows("hc_pre", "mixes", mixes, {x_hc.extent(0), kHcMixes});
+  hc_pre(be, x_mixed, post, comb, x_hc, w,
+         std::span<std::byte>(reinterpret_cast<std::byte*>(mixes.data()),
+                              std::size_t(mixes.size()) * sizeof(double)),
+         cfg);
+}
+
 // hc_post: y (T, 4, D) FP32 ← attn_out (T, D) BF16, x_hc (T, 4, D) FP32, post (T, 4),
-// comb (T, 4, 4) [i][o]. y must not alias x_hc.
-inline void hc_post(const cpu::Context& ctx, View<float, 3> y, ConstView<bf16, 2> attn_out,
-                    ConstView<float, 3> x_hc, ConstView<float, 2> post, ConstView<float, 3> comb,
-                    const ModelConfig& cfg) {
-  constexpr std::string_view where = "hc_post";
-  const index_t T = x_hc.extent(0), D = cfg.hidden;
-  check_equal(where, "cfg.hc_mult", cfg.hc_mult, kHcStreams);
-  for (auto [name, v] : {std::pair<const char*, index_t>{"y.extent(0)", y.extent(0)},
-                         {"attn_out.extent(0)", attn_out.extent(0)},
-                         {"post.extent(0)", post.extent(0)},
-                         {"comb.extent(0)", comb.extent(0)}})
-    check_equal<index_t>(where, name, v, T);
-  check_equal<index_t>(where, "y.extent(1)", y.extent(1), kHcStreams);
-  check_equal<index_t>(where, "y.extent(2)", y.extent(2), D);
-  check_equal<index_t>(where, "y.stride(2)", y.stride(2), 1);
-  check_equal<index_t>(where, "x_hc.extent(1)", x_hc.extent(1), kHcStreams);
-  check_equal<index_t>(where, "x_hc.extent(2)", x_hc.extent(2), D);
-  check_equal<index_t>(where, "x_hc.stride(2)", x_hc.stride(2), 1);
-  check_equal<index_t>(where, "attn_out.extent(1)", attn_out.extent(1), D);
-  check_equal<index_t>(where, "attn_out.stride(1)", attn_out.stride(1), 1);
-  check_equal<index_t>(where, "post.extent(1)", post.extent(1), kHcStreams);
-  check_equal<index_t>(where, "comb.extent(1)", comb.extent(1), kHcStreams);
-  check_equal<index_t>(where, "comb.extent(2)", comb.extent(2), kHcStreams);
-  if (y.data() == x_hc.data())
-    throw_arg(where, "y", "x_hc's buffer", "a buffer distinct from x_hc");
-  [[maybe_unused]] const bool avx2 = cpu::has_avx2(ctx.isa) && TILEDECODE_X86;
-  // One task per (token, 512-column chunk): enough tasks for any thread count.
-  const index_t chunk = 512, n_chunks = (D + chunk - 1) / chunk;
-  ctx.parallel_for(0, T * n_chunks, 1, [&](std::int64_t task) {
-    const index_t t = task / n_chunks, c0 = (task % n_chunks) * chunk;
-    const index_t n = std::min(chunk, D - c0);
-    float po[4], cb[16];
-    for (int i = 0; i < 4; ++i) po[i] = post(t, i);
-    for (int i = 0; i < 4; ++i)
-      for (int o = 0; o < 4; ++o) cb[i * 4 + o] = comb(t, i, o);
-    const bf16* a = attn_out.data() + t * attn_out.stride(0) + c0;
-    const float* x = x_hc.data() + t * x_hc.stride(0) + c0;
-    float* yt = y.data() + t * y.stride(0) + c0;
-#if TILEDECODE_X86
-    if (avx2) {
-      cpu::avx2::hc_post_row(yt, y.stride(1), a, x, x_hc.stride(1), po, cb, n);
-      return;
-    }
-#endif
-    for (int o = 0; o < 4; ++o)
-      for (index_t k = 0; k < n; ++k) {
-        float s = a[k].to_float() * po[o];
-        for (int i = 0; i < 4; ++i) s += x[i * x_hc.stride(1) + k] * cb[i * 4 + o];
-        yt[o * y.stride(1) + k] = s;
-      }
+// comb (T, 4, 4) [i][o], on backend `be`. y must not alias x_hc.
+template <class Be>
+void hc_post(const Be& be, View<float, 3> y, ConstView<bf16, 2> attn_out, ConstView<float, 3> x_hc,
+             ConstView<float, 2> post, ConstView<float, 3> comb, const ModelConfig& cfg) {
+  const HcPostArgs a{&cfg, y, attn_out, x_hc, post, comb};
+  dispatch(be, [&](const auto& b) {
+    validate(a);
+    if (a.tokens() == 0) return;
+    b.kernel(HcPost::kernel_name, [&] { hc_post_program(b, a); });
   });
 }
 

@@ -1,59 +1,61 @@
 #pragma once
-// Attention RMSNorm (spec §4 step 2):
+// Attention RMSNorm (spec §4 step 2) — contract and tile program:
 //   x_n[t, :] = bf16( x[t, :] * r_t * w )   with r_t = 1 / sqrt(mean(x[t, :]^2) + eps)
-// x and w are BF16; the sum of squares (sequential), r_t and the products run in double and the
-// result is rounded to BF16 via FP32. Double costs nothing here (D values per token) and keeps x_n
-// on the reference's side of every BF16 rounding boundary (see kernels/hyper_connection.hpp for why
-// that matters downstream). eps = cfg.rms_eps (1e-6). One task per token row. Also the in-place
-// RMSNorm with weight used inside qkv_projection (`rmsnorm_row_f64`).
+// x and w are BF16; eps = cfg.rms_eps (1e-6). The program is one op per token row
+// (tile: rms_norm_row); the CPU computes it in double (backend/cpu/rmsnorm.hpp: it keeps x_n on
+// the reference's side of every BF16 rounding boundary), the a2a3 vector unit in FP32.
 
-#include <cmath>
 #include <cstdint>
+#include <string_view>
 
-#include "tiledecode/backend/cpu/context.hpp"
-#include "tiledecode/backend/cpu/decode_avx2.hpp"
 #include "tiledecode/core/bf16.hpp"
-#include "tiledecode/core/config.hpp"
 #include "tiledecode/core/error.hpp"
+#include "tiledecode/core/validate.hpp"
 #include "tiledecode/core/view.hpp"
+#include "tiledecode/tile/backend.hpp"
 
 namespace tiledecode::kernels {
 
-// Σ x[i]^2 of n FP32 values in double, sequential (n <= a few thousand: the order is fixed so
-// the fast path and the golden twin produce the same bits).
-inline double sum_squares_f64(const float* x, std::int64_t n, cpu::Isa /*isa*/) {
-  double ss = 0.0;
-  for (std::int64_t i = 0; i < n; ++i) ss += double(x[i]) * double(x[i]);
-  return ss;
-}
+struct RmsNorm {
+  static constexpr std::string_view kernel_name = "rms_norm";
+};
 
-// x[i] ← float(x[i] * r * w[i]) with r = 1/sqrt(mean(x^2) + eps), in double, over n FP32 values.
-inline void rmsnorm_row_f64(float* x, const bf16* w, std::int64_t n, float eps, cpu::Isa isa) {
-  const double r = 1.0 / std::sqrt(sum_squares_f64(x, n, isa) / double(n) + double(eps));
-  for (std::int64_t i = 0; i < n; ++i) x[i] = float(double(x[i]) * r * double(w[i].to_float()));
-}
+struct RmsNormArgs {
+  View<bf16, 2> x_n;     // (T, D) output (may alias x)
+  ConstView<bf16, 2> x;  // (T, D)
+  ConstView<bf16, 1> w;  // (D)
+  float eps = 1e-6f;
+  index_t tokens() const { return x.extent(0); }
+};
 
-// x_n (T, D) BF16 ← x (T, D) BF16, weight w (D) BF16. Rows contiguous; x_n may alias x.
-inline void rmsnorm(const cpu::Context& ctx, View<bf16, 2> x_n, ConstView<bf16, 2> x,
-                    ConstView<bf16, 1> w, float eps) {
+inline void validate(const RmsNormArgs& a) {
   constexpr std::string_view where = "rmsnorm";
-  const index_t T = x.extent(0), D = x.extent(1);
+  check_view(where, "x", a.x);
+  const index_t T = a.x.extent(0), D = a.x.extent(1);
   check_at_least<index_t>(where, "x.extent(1)", D, 1);
-  check_equal<index_t>(where, "x_n.extent(0)", x_n.extent(0), T);
-  check_equal<index_t>(where, "x_n.extent(1)", x_n.extent(1), D);
-  check_equal<index_t>(where, "w.extent(0)", w.extent(0), D);
-  check_equal<index_t>(where, "x.stride(1)", x.stride(1), 1);
-  check_equal<index_t>(where, "x_n.stride(1)", x_n.stride(1), 1);
-  check_equal<index_t>(where, "w.stride(0)", w.stride(0), 1);
-  if (!(eps > 0.0f)) throw_arg(where, "eps", eps, "> 0");
-  ctx.parallel_for(0, T, 1, [&](std::int64_t t) {
-    const bf16* xr = x.data() + t * x.stride(0);
-    bf16* dst = x_n.data() + t * x_n.stride(0);
-    double ss = 0.0;
-    for (index_t i = 0; i < D; ++i) ss += double(xr[i].to_float()) * double(xr[i].to_float());
-    const double r = 1.0 / std::sqrt(ss / double(D) + double(eps));
-    for (index_t i = 0; i < D; ++i)
-      dst[i] = bf16(float(double(xr[i].to_float()) * r * double(w(i).to_float())));
+  check_inner_stride(where, "x", a.x);
+  check_rows(where, "x_n", a.x_n, {T, D});
+  check_extents(where, "w", a.w, {D});
+  check_inner_stride(where, "w", a.w);
+  if (!(a.eps > 0.0f)) throw_arg(where, "eps", a.eps, "> 0");
+}
+
+template <class B>
+void rmsnorm_program(const B& be, const RmsNormArgs& a) {
+  using Ops = ops_for<RmsNorm, B>;
+  Ops::for_rows(be, a, [&](auto& lane, index_t t) { Ops::rms_norm_row(lane, a, t); });
+}
+
+// x_n (T, D) BF16 ← x (T, D) BF16, weight w (D) BF16, on backend `be`. Rows contiguous; x_n may
+// alias x. Throws tiledecode::Error before writing anything on a bad argument.
+template <class Be>
+void rmsnorm(const Be& be, View<bf16, 2> x_n, ConstView<bf16, 2> x, ConstView<bf16, 1> w,
+             float eps) {
+  const RmsNormArgs a{x_n, x, w, eps};
+  dispatch(be, [&](const auto& b) {
+    validate(a);
+    if (a.tokens() == 0) return;
+    b.kernel(RmsNorm::kernel_name, [&] { rmsnorm_program(b, a); });
   });
 }
 

@@ -1,7 +1,7 @@
 #pragma once
-// Paged-KV decode metadata (spec §3). Every builder writes a caller-owned output view in one
-// pass, after validating every input it reads; on bad input it throws tiledecode::Error and has
-// written nothing.
+// Paged-KV decode metadata (spec §3; HEAD addendum §2, §3, §7). Every builder writes a
+// caller-owned output view in one pass, after validating every input it reads; on bad input it
+// throws tiledecode::Error and has written nothing.
 //
 // Conventions (spec §3):
 //   token row t = b*S + s; position_ids[t] = start[b] + s.
@@ -16,6 +16,27 @@
 //   Tables may have more rows than B (an engine's max-batch table); rows 0..B-1 are used.
 //   Fewer rows than B is an error.
 //
+// Ring builders (addendum §2.2, §3.2; `build_ring_*`): the device writers of the compressed,
+// index and state tables wrap the logical column, table[b, L mod n] with n = block_counts[b, g],
+// while every reader (sparse attention, indexer score, compressor state pooling) indexes the
+// unwrapped column table[b, L] (§2.3.2). The two agree only on a periodic table, so:
+//   [AMBIGUOUS addendum §2.3.2] option (a): the table must satisfy table[b, L] ==
+//     table[b, L mod n] for every column L the step's writers or readers touch; a non-periodic
+//     entry is REJECTED (Error naming table[b,L]), never silently written through the ring.
+//     Columns touched by request b: compressed / index tables 0 .. last visible row / rows per
+//     page of the request's last token (spec §3.5 visibility); state tables the positions its
+//     tokens write plus those the compressor pooling of this step's boundaries reads (ratio 4:
+//     from the previous window, ratio 128: from the window start; rules/compressor.hpp).
+//   [AMBIGUOUS addendum §2.3.4] a -1 entry gives exactly -1 (never -page + r); every touched
+//     column must lie inside the table (the reader would otherwise read past it), and
+//     1 <= n <= table width.
+//   A table with zero columns is a group the deployment does not serve (e.g. no CSA layer at 1M,
+//     addendum §1.3): its slots are all -1 and neither it nor its count is read.
+//   Commit masking (spec §3.5) applies as in the base builders; the device builder has none
+//     (addendum §2.3.3): pass commit_tokens = -1 to get its behaviour.
+//   [AMBIGUOUS addendum §7, S > R] option (b): every boundary token of a step (S = 8 has two
+//     ratio-4 boundaries) gets its own compressed slot, row c = pos / R.
+//
 // Each builder is split into `detail::validate_*` (reads inputs, throws) and `detail::fill_*`
 // (trusts validated inputs, never throws): `StepMetadata::build` validates every builder's
 // inputs before filling any output, so a failed build leaves the whole bundle unchanged.
@@ -29,8 +50,13 @@
 #include "tiledecode/core/config.hpp"
 #include "tiledecode/core/error.hpp"
 #include "tiledecode/core/view.hpp"
+#include "tiledecode/rules/compressor.hpp"
+#include "tiledecode/rules/paging.hpp"
 
 namespace tiledecode::paged {
+
+using rules::Layout;
+using rules::Table;
 
 // Batch geometry of one decode step.
 struct StepShape {
@@ -39,6 +65,21 @@ struct StepShape {
   int commit_tokens = -1;  // -1: all S committed (standalone tests); 1: MTP (draft token s=1)
   constexpr int tokens() const { return batch * seq; }
   constexpr int committed() const { return commit_tokens < 0 ? seq : commit_tokens; }
+};
+
+// One ring-wrapped table as the ring builders read it (addendum §2.2 / §3.2). `name` names the
+// table in errors ("csa_cmp_block_table", ...); StepMetadata fills these from its StepTables.
+struct RingTable {
+  std::string_view name = "table";
+  ConstView<std::int32_t, 2> table{};         // [>= B, width]; width 0 = group not served
+  ConstView<std::int32_t, 2> block_counts{};  // [>= B, > count_col]
+  int count_col = 1;                          // block_counts column of n_g
+  index_t num_blocks = 1;                     // pool pages
+  index_t rows_per_page = 128;  // storage rows per page (compressed: page or page / R; state: SB)
+  int ratio = 4;  // compressed: ratio of its rows; state: ratio of the compressor that pools it
+  bool state = false;  // state table (row = position) or compressed / index table (row = pos / R)
+
+  bool served() const { return table.extent(1) > 0; }
 };
 
 namespace detail {
@@ -106,16 +147,9 @@ inline void check_block(std::string_view where, std::string_view arg,
               "[-1, " + std::to_string(num_blocks) + ") (-1 = unmapped; pool blocks)");
   }
 }
-// Physical block of a validated table: -1 for an unmapped entry or a column past the table.
-inline index_t block_of(ConstView<std::int32_t, 2> table, index_t b, index_t col) {
-  return col < table.extent(1) ? index_t(table(b, col)) : index_t(-1);
-}
-// Flattened slot of absolute row `row` through a validated table.
-inline std::int64_t slot_of(ConstView<std::int32_t, 2> table, index_t b, index_t row,
-                            index_t page) {
-  const index_t blk = block_of(table, b, row / page);
-  return blk < 0 ? -1 : blk * page + row % page;
-}
+// The paging formulas live in rules/paging.hpp (one copy for every backend).
+using rules::block_of;
+using rules::slot_of;
 
 // --- validate / fill pairs (the public builders below are validate + fill) -----------------
 
@@ -248,6 +282,97 @@ inline void fill_window_indices(View<std::int32_t, 2> idx, View<std::int32_t, 1>
   }
 }
 
+// --- ring layouts (addendum §2, §3) -----------------------------------------------------------
+
+// Logical columns [lo, hi] of request b's table that this step's writers and readers touch
+// (hi < lo: none). See the header comment for the rule; positions are validated.
+inline void ring_columns_touched(const RingTable& r, ConstView<std::int32_t, 1> positions,
+                                 index_t b, const StepShape& sh, index_t& lo, index_t& hi) {
+  index_t p_min = positions(b * sh.seq), p_max = p_min, first_read = p_min;
+  for (index_t s = 0; s < sh.seq; ++s) {
+    const index_t p = positions(b * sh.seq + s);
+    p_min = std::min(p_min, p);
+    p_max = std::max(p_max, p);
+    // Every boundary pools (committed or not: the compressor reads its states either way).
+    if (r.state && rules::closes_window(p, r.ratio)) {
+      first_read = std::min(first_read,
+                            rules::compressor_first_position(r.ratio, r.ratio == 4, p / r.ratio));
+    }
+  }
+  if (r.state) {
+    lo = std::min(p_min, first_read) / r.rows_per_page;
+    hi = p_max / r.rows_per_page;
+  } else {
+    const index_t last_row = rules::last_visible_compressed_row(p_max, r.ratio);
+    lo = 0;
+    hi = last_row < 0 ? -1 : last_row / r.rows_per_page;
+  }
+}
+
+inline void validate_ring_slots(std::string_view where, const RingTable& r,
+                                View<std::int64_t, 1> dst, ConstView<std::int32_t, 1> positions,
+                                const StepShape& sh) {
+  check_len(where, "slot_mapping.extent(0)", dst.extent(0), index_t(sh.tokens()));
+  if (!r.served()) return;  // not served: nothing is read
+  check_table(where, r.name, r.table, sh);
+  check_num_blocks(where, "ring.num_blocks", r.num_blocks, r.rows_per_page);
+  if (r.block_counts.extent(0) < sh.batch)
+    check_at_least(where, "ring.block_counts.extent(0)", r.block_counts.extent(0),
+                   index_t(sh.batch));
+  if (r.count_col < 0 || r.count_col >= r.block_counts.extent(1))
+    check_at_least(where, "ring.block_counts.extent(1)", r.block_counts.extent(1),
+                   index_t(r.count_col) + 1);
+  const index_t width = r.table.extent(1);
+  for (index_t b = 0; b < sh.batch; ++b) {
+    const index_t n = r.block_counts(b, r.count_col);
+    if (n < 1 || n > width) {
+      throw_arg(where, idx_name("block_counts", b, r.count_col), n,
+                "[1, " + std::to_string(width) + "] (live columns of " + std::string(r.name) +
+                    ", extent(1) = " + std::to_string(width) + ")");
+    }
+    index_t lo = 0, hi = -1;
+    ring_columns_touched(r, positions, b, sh, lo, hi);
+    if (hi < lo) continue;
+    if (hi >= width) {
+      throw_arg(where, std::string(r.name) + ".extent(1)", width,
+                ">= " + std::to_string(hi + 1) + " (request " + std::to_string(b) +
+                    " touches logical column " + std::to_string(hi) +
+                    "; readers index the unwrapped column, addendum §2.3.2)");
+    }
+    // Each ring column the step maps to, once (check_block names the entry).
+    for (index_t col = lo; col <= std::min(hi, lo + n - 1); ++col)
+      check_block(where, r.name, r.table, b, rules::ring_column(col, n), r.num_blocks);
+    const index_t bad = rules::first_aperiodic_column(r.table, b, n, lo, hi);
+    if (bad >= 0) {
+      const index_t ring = rules::ring_column(bad, n);
+      throw_arg(where, idx_name(r.name, b, bad), r.table(b, bad),
+                "exactly " + idx_name(r.name, b, ring) + " = " + std::to_string(r.table(b, ring)) +
+                    " (ring writers use column L mod n, n = " +
+                    idx_name("block_counts", b, r.count_col) + " = " + std::to_string(n) +
+                    ", readers column L: the table must be periodic over the columns a step "
+                    "touches, addendum §2.3.2 option (a))");
+    }
+  }
+}
+
+inline void fill_ring_slots(View<std::int64_t, 1> dst, ConstView<std::int32_t, 1> positions,
+                            const RingTable& r, const StepShape& sh) {
+  for (index_t b = 0, t = 0; b < sh.batch; ++b) {
+    const index_t n = r.served() ? index_t(r.block_counts(b, r.count_col)) : 0;
+    for (index_t s = 0; s < sh.seq; ++s, ++t) {
+      const index_t p = positions(t);
+      if (n == 0) {
+        dst(t) = -1;
+      } else if (r.state) {
+        dst(t) = rules::ring_slot_of(r.table, b, p, r.rows_per_page, n);
+      } else {
+        const bool write = rules::closes_window(p, r.ratio) && s < sh.committed();
+        dst(t) = write ? rules::ring_slot_of(r.table, b, p / r.ratio, r.rows_per_page, n) : -1;
+      }
+    }
+  }
+}
+
 }  // namespace detail
 
 // position_ids[b*S + s] = start[b] + s  (spec §3.1). INT32 [T].
@@ -357,6 +482,52 @@ inline void build_window_indices(View<std::int32_t, 2> idx, View<std::int32_t, 1
   detail::check_positions(where, positions, sh, cfg);
   detail::validate_window_indices(where, idx, lens, positions, block_table, num_blocks, sh, cfg);
   detail::fill_window_indices(idx, lens, positions, block_table, sh, cfg);
+}
+
+// Ring compressed-cache slot (addendum §2.2 #862 form, §3.2 prefix-caching form): a token closing
+// a window ((pos + 1) % R == 0, committed: s < commit_tokens) writes row c = pos / R at
+//   table[b, (c / rows_per_page) mod n] * rows_per_page + c % rows_per_page,
+// n = block_counts[b, count_col]. rows_per_page = cfg.page for #862 (compressed-row paging),
+// cfg.page / R for prefix caching (32 CSA / index, 1 HCA). -1 = do not write (no committed
+// boundary, unmapped page, or a table with zero columns = group not served). Validates the counts
+// (1 <= n <= width), that the table covers and is periodic over every column the step touches
+// (see the header comment), and every entry read. INT64 [T].
+inline void build_ring_compressed_slot_mapping(View<std::int64_t, 1> dst,
+                                               ConstView<std::int32_t, 1> positions,
+                                               const RingTable& ring, const StepShape& sh,
+                                               const ModelConfig& cfg) {
+  constexpr std::string_view where = "build_ring_compressed_slot_mapping";
+  if (ring.ratio != 4 && ring.ratio != 128) throw_arg(where, "ring.ratio", ring.ratio, "4 or 128");
+  check_range<index_t>(where, "ring.rows_per_page", ring.rows_per_page, 1, index_t(1) << 30);
+  detail::check_positions(where, positions, sh, cfg);
+  RingTable r = ring;
+  r.state = false;
+  detail::validate_ring_slots(where, r, dst, positions, sh);
+  detail::fill_ring_slots(dst, positions, r, sh);
+}
+
+// Ring compressor-state slot of every token (addendum §2.2, §7): table[b, (pos / SB) mod n] * SB +
+// pos % SB with SB = ring.rows_per_page (cfg.c4_state_page or cfg.c128_state_page; 4/8, 8/32 and
+// 2/8 are all deployments) and ring.ratio the ratio of the compressor that pools these states (4
+// overlapping or 128): the step's pooling reads are part of the periodicity check. Not commit
+// masked. INT64 [T]; -1 = unmapped or group not served.
+inline void build_ring_state_slot_mapping(View<std::int64_t, 1> dst,
+                                          ConstView<std::int32_t, 1> positions,
+                                          const RingTable& ring, const StepShape& sh,
+                                          const ModelConfig& cfg) {
+  constexpr std::string_view where = "build_ring_state_slot_mapping";
+  if (ring.ratio != 4 && ring.ratio != 128) throw_arg(where, "ring.ratio", ring.ratio, "4 or 128");
+  const index_t sb = ring.ratio == 4 ? cfg.c4_state_page : cfg.c128_state_page;
+  if (ring.rows_per_page != sb || sb < 1) {
+    throw_arg(where, "ring.rows_per_page", ring.rows_per_page,
+              "the state page of ratio " + std::to_string(ring.ratio) +
+                  " (cfg.c4_state_page / cfg.c128_state_page = " + std::to_string(sb) + ", >= 1)");
+  }
+  detail::check_positions(where, positions, sh, cfg);
+  RingTable r = ring;
+  r.state = true;
+  detail::validate_ring_slots(where, r, dst, positions, sh);
+  detail::fill_ring_slots(dst, positions, r, sh);
 }
 
 }  // namespace tiledecode::paged

@@ -18,25 +18,34 @@
 
 namespace tiledecode::a2a3 {
 
+// The indexer score's schedule (spec §7.4): the fused mixed scope of PR #831 or the earlier
+// two-scope design (a cube scope writing INT32 GM scratch, then a vector scope).
+enum class ScoreDesign { fused, two_scope };
+
 struct A2a3 {
   static constexpr std::string_view name = "a2a3";
   Machine* m = nullptr;
   std::vector<KernelReport>* reports = nullptr;  // one report per kernel run (optional)
+  ScoreDesign score_design = ScoreDesign::fused;
+  int ring_slots = 2;  // the fused score's cube -> vector ring depth (PR #831: 2)
 
   std::size_t concurrency() const { return 1; }
   const ArchFacts& arch() const { return m->arch(); }
-  // One kernel: its launches are reported together (appended to `reports`). Inside an open
-  // kernel (a composition that reports several programs as one kernel) the launches join it.
+  // One kernel: its launches are reported together (appended to `reports`); returns its predicted
+  // latency (us). Inside an open kernel (a composition that reports several programs as one
+  // kernel) the launches join it and 0 is returned.
   template <class F>
-  void kernel(std::string_view kernel_name, F&& body) const {
+  double kernel(std::string_view kernel_name, F&& body) const {
     if (m->in_kernel()) {
       body();
-      return;
+      return 0.0;
     }
     m->begin_kernel(kernel_name);
     body();
     KernelReport r = m->end_kernel();
+    const double us = r.latency_us();
     if (reports) reports->push_back(std::move(r));
+    return us;
   }
 };
 
@@ -44,12 +53,17 @@ struct A2a3 {
 struct Context {
   Machine* machine = nullptr;
   std::vector<KernelReport>* reports = nullptr;
+  ScoreDesign score_design = ScoreDesign::fused;
+  int ring_slots = 2;
 };
 
 template <class F>
 decltype(auto) dispatch(const Context& ctx, F&& f) {
   if (ctx.machine == nullptr) throw_arg("a2a3::dispatch", "ctx.machine", "null", "a Machine");
-  return f(A2a3{ctx.machine, ctx.reports});
+  if (ctx.score_design != ScoreDesign::fused && ctx.score_design != ScoreDesign::two_scope)
+    throw_arg("a2a3::dispatch", "ctx.score_design", int(ctx.score_design), "fused or two_scope");
+  check_range("a2a3::dispatch", "ctx.ring_slots", ctx.ring_slots, 1, 65);
+  return f(A2a3{ctx.machine, ctx.reports, ctx.score_design, ctx.ring_slots});
 }
 template <class F>
 decltype(auto) dispatch(const A2a3& b, F&& f) {

@@ -32,6 +32,7 @@
 #include <initializer_list>
 #include <limits>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -244,14 +245,6 @@ class Core {
     issue(Pipe::scalar, Rule::name,
           double(rule.elements()) * double(Rule::kScalarOps) * arch_->scalar_cycles_per_op, reads,
           writes);
-  }
-
-  // --- scalar work (metadata walks, loop bookkeeping): `ops` scalar instructions.
-  template <class F>
-  void scalar(std::string_view name, double ops, std::initializer_list<BufferState*> reads,
-              std::initializer_list<BufferState*> writes, F&& body) {
-    if (functional_) body();
-    issue(Pipe::scalar, name, ops * arch_->scalar_cycles_per_op, reads, writes);
   }
 
   // PipeBarrier between pipes for data that goes through GM (which the model does not track
@@ -485,6 +478,19 @@ class VectorCore : public Core {
   void vsdiv(Sub<float> d, float s, Sub<float> a, std::string_view name = "vsdiv") {
     unary(name, Unit::special, d, a, [s](float x) { return s / x; });
   }
+  // d = a * s(0, 0): Muls with its scalar operand read from UB (GetValue, one scalar op)
+  void vmul_scalar(Sub<float> d, Sub<float> a, Sub<float> s, std::string_view name = "vmuls_ub") {
+    check_vec(d, name);
+    check_same(d, a, name);
+    if (s.size() != 1) throw Error("a2a3 " + std::string(name) + ": the scalar operand is not 1x1");
+    if (functional_) {
+      const float k = s(0, 0);
+      for (index_t r = 0; r < d.rows; ++r)
+        for (index_t c = 0; c < d.cols; ++c) d(r, c) = a(r, c) * k;
+    }
+    issue(Pipe::vector, name, vector_cycles(d.size(), 4) + arch_->scalar_cycles_per_op,
+          {a.state(), s.state()}, {d.state()});
+  }
   // ---- unary
   void vexp(Sub<float> d, Sub<float> a, std::string_view name = "vexp") {
     unary(name, Unit::special, d, a, [](float x) { return std::exp(x); });
@@ -613,20 +619,31 @@ class VectorCore : public Core {
     issue(Pipe::vector, name, vector_cycles(d.size(), sizeof(T)), {d.state()}, {d.state()});
   }
   // ---- sort (score, index) pairs
-  // Pairs from a score row (CreateVecIndex + Select + the pair interleave): column j of row 0 of
-  // `d` = (score j, j), with columns >= valid and NaN scores replaced by `fill`.
-  void vmake_pairs(Sub<ScorePair> d, Sub<float> score, index_t valid, float fill,
+  // Pairs from a score row (CreateVecIndex + Compare/Select + the pair interleave, then a mask
+  // count): column j of each row of `d` = (score j, j) for j < valid and a non-NaN score; a masked
+  // column (j >= valid or NaN) becomes (-inf, j + cols), which sorts after every kept pair, and
+  // count(r, 0) = the number of kept pairs of row r.
+  void vmake_pairs(Sub<ScorePair> d, Sub<std::int32_t> count, Sub<float> score, index_t valid,
                    std::string_view name = "vmake_pairs") {
     check_vec(d, name);
     check_same(d, score, name);
+    if (count.size() != d.rows) throw Error("a2a3 " + std::string(name) + ": one count per row");
     if (functional_)
-      for (index_t r = 0; r < d.rows; ++r)
+      for (index_t r = 0; r < d.rows; ++r) {
+        std::int32_t n = 0;
         for (index_t c = 0; c < d.cols; ++c) {
           const float v = score(r, c);
-          d(r, c) = {c < valid && v == v ? v : fill, std::int32_t(c)};
+          const bool keep = c < valid && v == v;
+          d(r, c) =
+              keep ? ScorePair{v, std::int32_t(c)}
+                   : ScorePair{-std::numeric_limits<float>::infinity(), std::int32_t(c + d.cols)};
+          n += keep;
         }
-    issue(Pipe::vector, name, vector_cycles(d.size(), sizeof(ScorePair)), {score.state()},
-          {d.state()});
+        count(r, 0) = n;
+      }
+    issue(Pipe::vector, name,
+          vector_cycles(d.size(), sizeof(ScorePair)) + vector_cycles(d.size(), 4), {score.state()},
+          {d.state(), count.state()});
   }
   // Sort32: every run of 32 pairs of each row sorted (descending score, ascending index).
   void vsort32(Sub<ScorePair> d, Sub<ScorePair> a, std::string_view name = "vsort32") {
@@ -659,44 +676,20 @@ class VectorCore : public Core {
               double(produced * d.rows) * arch_->merge_cycles_per_element,
           {a.state()}, {d.state()});
   }
-  // d[j] = j < k ? a[j].index + offset : -1 (GatherMask of the index lane + Select)
-  void vpair_indices(Sub<std::int32_t> d, Sub<ScorePair> a, index_t k, std::int32_t offset,
-                     std::string_view name = "vpair_indices") {
+  // d[j] = j < min(k, count(r, 0)) ? a[j].index + offset : -1 (GatherMask of the index lane +
+  // Select; the count is read with one scalar GetValue per row)
+  void vpair_indices(Sub<std::int32_t> d, Sub<ScorePair> a, index_t k, Sub<std::int32_t> count,
+                     std::int32_t offset, std::string_view name = "vpair_indices") {
     check_vec(d, name);
     check_same(d, a, name);
     if (functional_)
-      for (index_t r = 0; r < d.rows; ++r)
-        for (index_t c = 0; c < d.cols; ++c) d(r, c) = c < k ? a(r, c).index + offset : -1;
-    issue(Pipe::vector, name, vector_cycles(d.size(), sizeof(ScorePair)), {a.state()}, {d.state()});
-  }
-
-  // Deprecated during the port to typed instructions: an op that runs `body` and charges
-  // `factor`. Removed once every schedule is written in the instructions above.
-  template <class F>
-  void vec(std::string_view name, index_t elems, int elem_bytes,
-           std::initializer_list<BufferState*> reads, std::initializer_list<BufferState*> writes,
-           F&& body, double factor = 1.0) {
-    if (functional_) body();
-    const double cyc =
-        arch_->vector_op_overhead_cycles +
-        factor * std::ceil(double(elems) * elem_bytes / arch_->vector_bytes_per_cycle);
-    issue(Pipe::vector, name, cyc, reads, writes);
-  }
-  template <class F>
-  void sort32(std::string_view name, index_t elems, std::initializer_list<BufferState*> reads,
-              std::initializer_list<BufferState*> writes, F&& body) {
-    if (functional_) body();
+      for (index_t r = 0; r < d.rows; ++r) {
+        const index_t kk = std::min<index_t>(k, count(r, 0));
+        for (index_t c = 0; c < d.cols; ++c) d(r, c) = c < kk ? a(r, c).index + offset : -1;
+      }
     issue(Pipe::vector, name,
-          arch_->vector_op_overhead_cycles + double(elems) * arch_->sort32_cycles_per_element,
-          reads, writes);
-  }
-  template <class F>
-  void merge(std::string_view name, index_t elems, std::initializer_list<BufferState*> reads,
-             std::initializer_list<BufferState*> writes, F&& body) {
-    if (functional_) body();
-    issue(Pipe::vector, name,
-          arch_->vector_op_overhead_cycles + double(elems) * arch_->merge_cycles_per_element, reads,
-          writes);
+          vector_cycles(d.size(), sizeof(ScorePair)) + double(d.rows) * arch_->scalar_cycles_per_op,
+          {a.state(), count.state()}, {d.state()});
   }
 
  private:
@@ -1029,6 +1022,12 @@ class Machine {
     return std::move(current_);
   }
   bool in_kernel() const { return in_kernel_; }
+  // GM scratch for launch intermediates of kernels whose API takes no workspace (the chip's
+  // device memory, not the engine's): grows on demand, valid until the next request.
+  std::span<std::byte> gm_scratch(std::size_t bytes) {
+    if (scratch_.size() < bytes) scratch_ = Buffer<std::byte>(bytes);
+    return {scratch_.data(), bytes};
+  }
 
   // SPMD launch of `n_blocks` mixed blocks (1 AIC + 2 AIV each). Block u runs on cube core
   // u % 24 and vector cores 2(u % 24), 2(u % 24) + 1; blocks beyond one wave queue on the same
@@ -1148,6 +1147,7 @@ class Machine {
   std::vector<std::unique_ptr<CubeCore>> cubes_;
   std::vector<std::unique_ptr<VectorCore>> vecs_;
   KernelReport current_;
+  Buffer<std::byte> scratch_;
   bool in_kernel_ = false;
   bool tracing_ = false;
   double clock_us_ = 0;

@@ -19,6 +19,7 @@
 
 #include "tiledecode/backend/a2a3/backend.hpp"
 #include "tiledecode/backend/a2a3/machine.hpp"
+#include "tiledecode/backend/a2a3/tile_ops.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/kernels/output_projection.hpp"
 
@@ -145,25 +146,10 @@ struct backend_ops_output_projection {
           auto sq = v.alloc<float>(Space::ub, "scale", 1, 1);
           auto dq = v.alloc<float>(Space::ub, "a_dq", 1, 1);
           v.copy_in(xr, 0, ConstView<float, 2>(&s.sc.o_r(t, g, 0), {1, R}), "o_r_in");
-          quantize_row(v, xr, ab, q, sq, dq);
+          a2a3::quantize_rows(v, xr, ab, q, sq, dq);
           v.copy_out(View<std::int8_t, 2>(&s.sc.a_i8(t, g, 0), {1, R}), q, 0, "a_i8_out");
           v.copy_out(View<float, 2>(&s.sc.a_dq(t, g), {1, 1}), dq, 0, "a_dq_out");
         });
-  }
-  // Q8 of one row `x` (1, n) in vector instructions (bit-identical to core quantize_q8 for NaN-free
-  // rows): q (1, n) INT8, sq (1, 1) = 127 / amax, dq (1, 1) = 1 / sq; ab (1, n) is scratch.
-  static void quantize_row(VectorCore& v, Tile<float> x, Tile<float> ab, Tile<std::int8_t> q,
-                           Tile<float> sq, Tile<float> dq) {
-    const Sub<float> amax = sq;
-    v.vabs(ab, x, "abs");
-    v.vrow_max(amax, ab, "amax");
-    v.vmaxs(amax, amax, 1e-4f, "amax_floor");
-    v.vsdiv(amax, 127.0f, amax, "scale");  // amax now holds sq = 127 / amax
-    v.vsdiv(dq, 1.0f, amax, "dequant");
-    v.vmul_rows(ab, x, amax, "mul_scale");
-    v.vmins(ab, ab, 127.0f, "clamp_hi");
-    v.vmaxs(ab, ab, -127.0f, "clamp_lo");
-    v.vcast(Sub<std::int8_t>(q), Sub<float>(ab), "cast_i8");
   }
   // proj_b.g: per 512-wide D chunk, the INT32 partial P_g = a_i8[:, g] · wo_b[n, g·R ..]ᵀ.
   static void project_b(Sched& s, const kernels::OutputProjectionArgs& x, int g, int) {

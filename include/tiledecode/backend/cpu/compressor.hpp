@@ -1,0 +1,257 @@
+#pragma once
+// Compressors (kernels/compressor.hpp) on the CPU backend.
+//
+// The projections read 2 × OUT_DIM × D BF16 weights per step and dominate. Tasks own 24 weight
+// rows; a 3-row × 4-token register tile (BF16 → FP32 by a shift, FMA into lane-wise accumulators)
+// makes one pass over K per token group, so the weights stream from DRAM once per step (software
+// prefetch ahead) and are re-read from L1/L2 by later token groups. Pooling is an online softmax
+// over chunks of 8 candidates, parallel over channel blocks. Work is split by shape only (weight
+// rows, channels), each output has one fixed reduction order, so results are bit-identical for
+// any thread count. The scalar twins below follow the AVX2 micro-kernels' order exactly (8 lanes,
+// ascending k, the AVX2 horizontal-sum tree; the candidate order), so the tiers are bit-identical.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <span>
+
+#include "tiledecode/backend/cpu/backend.hpp"
+#include "tiledecode/backend/cpu/compressor_avx2.hpp"
+#include "tiledecode/core/bf16.hpp"
+#include "tiledecode/core/quant.hpp"
+#include "tiledecode/kernels/compressor.hpp"
+
+namespace tiledecode::kernels {
+
+namespace detail {
+
+// ---------------------------------------------------------------------------------------------
+// Scalar twins of the AVX2 microkernels in backend/cpu/compressor_avx2.hpp: same task split,
+// same lane-wise summation order (8 lanes, ascending k, the AVX2 horizontal-sum tree), same
+// candidate order; one row at a time (no register tile), std::exp instead of the polynomial exp.
+
+// out[t*ld_out + r] = Σ_k x[t*ld_x + k] * w[r*ld_w + k]; 8 lane-wise partial sums per output.
+inline void project_rows_scalar(float* out, index_t ld_out, const float* x, index_t ld_x,
+                                index_t n_tok, const bf16* w, index_t ld_w, index_t n_rows,
+                                index_t d) {
+  constexpr int G = cpu::kCompressorTokenGroup;
+  for (index_t tg = 0; tg < n_tok; tg += G) {
+    const int nt = static_cast<int>(std::min<index_t>(G, n_tok - tg));
+    const float* xg = x + tg * ld_x;
+    for (index_t r = 0; r < n_rows; ++r) {
+      float acc[G][8] = {};  // (tokens, lanes) partial sums of this row
+      const bf16* wr = w + r * ld_w;
+      for (index_t k = 0; k < d; k += 8) {
+        float wf[8];
+        for (int l = 0; l < 8; ++l) wf[l] = wr[k + l].to_float();
+        for (int t = 0; t < nt; ++t) {
+          const float* xt = xg + t * ld_x + k;
+          for (int l = 0; l < 8; ++l) acc[t][l] += wf[l] * xt[l];
+        }
+      }
+      for (int t = 0; t < nt; ++t) {
+        const float* a = acc[t];
+        out[(tg + t) * ld_out + r] =
+            ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+      }
+    }
+  }
+}
+
+inline void pool_channels_scalar(float* pooled, const float* const* kv, const float* const* score,
+                                 int n_cand, index_t c0, index_t c1) {
+  for (index_t c = c0; c < c1; ++c) {
+    float m = kNegBig, l = 0.0f, acc = 0.0f;
+    for (int j0 = 0; j0 < n_cand; j0 += cpu::kCompressorPoolChunk) {
+      const int j1 = std::min(n_cand, j0 + cpu::kCompressorPoolChunk);
+      float m_new = m;
+      for (int j = j0; j < j1; ++j) m_new = std::max(m_new, score[j][c]);
+      const float alpha = std::exp(m - m_new);
+      l *= alpha;
+      acc *= alpha;
+      for (int j = j0; j < j1; ++j) {
+        const float p = std::exp(score[j][c] - m_new);
+        l += p;
+        acc += p * kv[j][c];
+      }
+      m = m_new;
+    }
+    pooled[c] = l > 0.0f ? acc / l : 0.0f;
+  }
+}
+
+inline void hadamard_row_scalar(float* z, const float* y, const bf16* h, index_t ld_h, index_t n) {
+  for (index_t j = 0; j < n; ++j) z[j] = 0.0f;
+  for (index_t i = 0; i < n; ++i) {
+    const float yi = y[i];
+    const bf16* hr = h + i * ld_h;
+    for (index_t j = 0; j < n; ++j) z[j] += yi * hr[j].to_float();
+  }
+}
+
+struct CompressorWorkspace {
+  float* x32;       // (T, D)
+  float* proj;      // (T, 2*OUT_DIM): [kv | g] = the state rows of this step
+  float* null_row;  // (2*OUT_DIM): kv 0, score kNegBig — stands in for unmapped state rows
+  float* pooled;    // (head_dim)
+  float* y;         // (head_dim)
+  float* z;         // (head_dim)
+};
+
+inline CompressorWorkspace carve_workspace(const ModelConfig& cfg, const CompressorSpec& spec,
+                                           index_t T, float* ws) {
+  CompressorWorkspace w{};
+  w.x32 = ws;
+  w.proj = w.x32 + ws_round(T * cfg.hidden);
+  w.null_row = w.proj + ws_round(T * spec.state_width());
+  w.pooled = w.null_row + ws_round(spec.state_width());
+  w.y = w.pooled + ws_round(spec.head_dim);
+  w.z = w.y + ws_round(spec.head_dim);
+  return w;
+}
+
+}  // namespace detail
+
+}  // namespace tiledecode::kernels
+
+namespace tiledecode::cpu {
+
+template <Isa I>
+struct backend_ops_compressor {
+  static constexpr bool avx2 = has_avx2(I) && TILEDECODE_X86;
+  using Ws = kernels::detail::CompressorWorkspace;
+
+  static void check(const Cpu<I>&, const kernels::CompressorArgs&) {}
+  static Ws ws_of(const kernels::CompressorArgs& a) {
+    return kernels::detail::carve_workspace(*a.cfg, a.spec, a.tokens(), a.workspace.data());
+  }
+
+  // proj[t] = [x_n[t] @ wkv^T | x_n[t] @ wgate^T + ape[pos % R]] for all T tokens.
+  static void project(const Cpu<I>& be, const kernels::CompressorArgs& a) {
+    const ModelConfig& cfg = *a.cfg;
+    const Ws ws = ws_of(a);
+    const index_t T = a.tokens(), D = cfg.hidden, OUT = a.spec.out_dim(), SW = a.spec.state_width();
+    be.tasks(T, [&](std::int64_t t) {
+      const bf16* src = a.x_n.data() + t * a.x_n.stride(0);
+      float* dst = ws.x32 + t * D;
+      for (index_t k = 0; k < D; ++k) dst[k] = src[k].to_float();
+    });
+    // Tasks of RB rows of wkv, then of wgate: the split depends on the shape only.
+    constexpr index_t RB = kCompressorRowBlock;
+    const index_t per = (OUT + RB - 1) / RB;
+    be.tasks(2 * per, [&](std::int64_t i) {
+      const bool gate = i >= per;
+      const ConstView<bf16, 2>& m = gate ? a.w.wgate : a.w.wkv;
+      const index_t r0 = (gate ? i - per : i) * RB, n = std::min(RB, OUT - r0);
+      float* out = ws.proj + (gate ? OUT : 0) + r0;
+      const bf16* wr = m.data() + r0 * m.stride(0);
+#if TILEDECODE_X86
+      if constexpr (avx2) {
+        avx2::compressor_project_rows(out, SW, ws.x32, D, T, wr, m.stride(0), n, D, OUT - r0);
+        return;
+      }
+#endif
+      kernels::detail::project_rows_scalar(out, SW, ws.x32, D, T, wr, m.stride(0), n, D);
+    });
+    for (index_t t = 0; t < T; ++t) {
+      const index_t r = a.meta.positions(t) % a.spec.ratio;
+      float* g = ws.proj + t * SW + OUT;
+      for (index_t o = 0; o < OUT; ++o) g[o] += a.w.ape(r, o);
+    }
+    for (index_t i = 0; i < SW; ++i) ws.null_row[i] = i < OUT ? 0.0f : kNegBig;
+  }
+
+  struct Lane {
+    const Cpu<I>* be;
+    Ws ws;
+  };
+  // Requests in order on the calling thread (each pooling is parallel over channel blocks).
+  template <class Body>
+  static void for_requests(const Cpu<I>& be, const kernels::CompressorArgs& a, Body&& body) {
+    Lane lane{&be, ws_of(a)};
+    for (index_t b = 0; b < a.meta.shape.batch; ++b) body(lane, b);
+  }
+  static void store_state(Lane& z, const kernels::CompressorArgs& a, index_t t) {
+    const index_t slot = a.meta.state_slot_mapping(t), SW = a.spec.state_width();
+    if (slot < 0) return;
+    std::memcpy(a.state_pool.data() + slot * a.state_pool.stride(0), z.ws.proj + t * SW,
+                sizeof(float) * std::size_t(SW));
+  }
+  static void state_barrier(Lane&) {}
+
+  // pooled[d] = Σ_j e^{g_j[d]} kv_j[d] / Σ_j e^{g_j[d]} over the candidates of row c
+  // (rules::compressor_candidates), state rows read through the table by absolute position.
+  static void pool(Lane& z, const kernels::CompressorArgs& a, index_t b, index_t c) {
+    const ModelConfig& cfg = *a.cfg;
+    const index_t HD = a.spec.head_dim, OUT = a.spec.out_dim();
+    const index_t page = kernels::compressor_state_page(cfg, a.spec);
+    rules::PoolCandidate cand[2 * 128];
+    const int n = rules::compressor_candidates(a.spec.ratio, a.spec.overlap, c, cand);
+    const float* kv[2 * 128];
+    const float* sc[2 * 128];
+    for (int j = 0; j < n; ++j) {
+      const std::int64_t row = rules::slot_of(a.meta.state_table, b, cand[j].pos, page);
+      const float* r = row < 0 ? z.ws.null_row : a.state_pool.data() + row * a.state_pool.stride(0);
+      const index_t off = cand[j].half ? HD : 0;
+      kv[j] = r + off;
+      sc[j] = r + OUT + off;
+    }
+    // Channel blocks only where the window is long enough to be worth a task (shape-only rule).
+    const index_t grain = n >= 64 ? 64 : HD;
+    z.be->tasks((HD + grain - 1) / grain, [&](std::int64_t i) {
+      const index_t c0 = i * grain, c1 = std::min(HD, c0 + grain);
+#if TILEDECODE_X86
+      if constexpr (avx2) {
+        avx2::compressor_pool_channels(z.ws.pooled, kv, sc, n, c0, c1);
+        return;
+      }
+#endif
+      kernels::detail::pool_channels_scalar(z.ws.pooled, kv, sc, n, c0, c1);
+    });
+  }
+  // y = rmsnorm(pooled, norm_w) with forward RoPE on the last 64 dims at rope_pos.
+  static void norm_rope(Lane& z, const kernels::CompressorArgs& a, index_t rope_pos) {
+    const index_t HD = a.spec.head_dim;
+    float lanes[8] = {};
+    for (index_t i = 0; i < HD; ++i) lanes[i % 8] += z.ws.pooled[i] * z.ws.pooled[i];
+    const float ss = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) +
+                     ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    const float r = 1.0f / std::sqrt(ss / float(HD) + a.cfg->rms_eps);
+    for (index_t i = 0; i < HD; ++i) z.ws.y[i] = z.ws.pooled[i] * r * a.w.norm_w(i).to_float();
+    rope_forward(std::span<float>(z.ws.y + HD - kRopeDim, kRopeDim), a.rope, rope_pos);
+  }
+  // Main: cmp_kv[slot] = bf16(y). Inner: y_bf = bf16(y), z = y_bf @ H, z_bf = bf16(z), Q8.
+  static void emit(Lane& z, const kernels::CompressorArgs& a, index_t b, index_t, index_t slot) {
+    const index_t HD = a.spec.head_dim;
+    const Ws& ws = z.ws;
+    if (!a.inner) {
+      bf16* dst = a.cmp_kv.data() + slot * a.cmp_kv.stride(0);
+      for (index_t i = 0; i < HD; ++i) dst[i] = bf16(ws.y[i]);
+    } else {
+      for (index_t i = 0; i < HD; ++i) ws.pooled[i] = round_bf16(ws.y[i]);
+#if TILEDECODE_X86
+      if constexpr (avx2) {
+        avx2::compressor_hadamard_row(ws.z, ws.pooled, a.hadamard.data(), a.hadamard.stride(0), HD);
+      } else
+#endif
+      {
+        kernels::detail::hadamard_row_scalar(ws.z, ws.pooled, a.hadamard.data(),
+                                             a.hadamard.stride(0), HD);
+      }
+      for (index_t i = 0; i < HD; ++i) ws.z[i] = round_bf16(ws.z[i]);
+      a.idx_scale(slot) = quantize_q8(
+          std::span<std::int8_t>(a.idx_kv.data() + slot * a.idx_kv.stride(0), std::size_t(HD)),
+          std::span<const float>(ws.z, std::size_t(HD)));
+    }
+    if (a.has_kv_out()) std::memcpy(&a.kv_out(b, 0), ws.y, sizeof(float) * std::size_t(HD));
+  }
+  static void finish(const Cpu<I>&, const kernels::CompressorArgs&) {}
+};
+
+}  // namespace tiledecode::cpu
+
+namespace tiledecode {
+template <cpu::Isa I>
+struct backend_ops<kernels::Compressor, cpu::Cpu<I>> : cpu::backend_ops_compressor<I> {};
+}  // namespace tiledecode

@@ -1,0 +1,254 @@
+#pragma once
+// q / kv projections (kernels/qkv_projection.hpp) on the CPU backend.
+// Numerical contract (the golden twin follows it too):
+//   * x_n @ wq_a and x_n @ wkv: BF16 × BF16 products (exact in FP32) summed in FP32 in ascending
+//     k — the spec's "FP32 accumulation" with its order fixed, so fast path and golden agree
+//     bit for bit; qr @ wq_b: exact INT32.
+//   * everything after the matmuls runs in double: the RMSNorms (Σx² , r = 1/sqrt(Σx²/n + eps),
+//     x·r·gamma), the dequant acc·qr_scale·wq_b_scale, the per-head RMSNorm and the forward RoPE
+//     (interleaved pairs, BF16 table values); results are stored as FP32 (cq, kvf) or rounded
+//     to BF16 via FP32 (q, kv). Negligible cost, and it keeps cq on the reference's side of Q8's
+//     rounding boundaries (one flipped qr value changes a whole token's q).
+// Schedule: the weights are streamed once per step for all T tokens (axpy order, see
+// backend/cpu/decode_avx2.hpp). Tasks: 256-column tiles of wq_a and wkv; then one task per token
+// (norms, Q8, kv RoPE); then one task per query head (its 512 columns of wq_b, tokens in chunks
+// of 8, the epilogue fused; on Isa::avx2_vnni the wq_b matmul runs on vpdpbusd, on the load-time
+// packed copy QkvWeights::wq_b_packed when the caller provides one: one contiguous 512 KB stream
+// per head, register-resident accumulators; see cpu::avx2_vnni::matmul_i8_packed). Every output
+// element has one producer and a fixed order: results do not depend on the thread count, and the
+// scalar, AVX2 and AVX-VNNI paths give identical matmul results.
+
+#include <cmath>
+#include <cstdint>
+
+#include "tiledecode/backend/cpu/backend.hpp"
+#include "tiledecode/backend/cpu/decode_avx2.hpp"
+#include "tiledecode/backend/cpu/quant.hpp"
+#include "tiledecode/backend/cpu/rmsnorm.hpp"
+#include "tiledecode/core/bf16.hpp"
+#include "tiledecode/kernels/qkv_projection.hpp"
+
+namespace tiledecode {
+namespace kernels {
+
+namespace detail {
+// Scalar twins of the AVX2 axpy matmuls (same order of summation).
+inline void matmul_bf16_axpy_scalar(float* dst, index_t dst_ld, const float* x, index_t x_ld, int T,
+                                    const bf16* w, index_t w_ld, index_t K, index_t n0,
+                                    index_t n1) {
+  for (int t = 0; t < T; ++t)
+    for (index_t n = n0; n < n1; ++n) dst[t * dst_ld + n] = 0.0f;
+  for (index_t k = 0; k < K; ++k) {
+    const bf16* wr = w + k * w_ld;
+    for (int t = 0; t < T; ++t) {
+      const float a = x[t * x_ld + k];
+      float* d = dst + t * dst_ld;
+      for (index_t n = n0; n < n1; ++n) d[n] += a * wr[n].to_float();
+    }
+  }
+}
+
+// Forward interleaved rotation of n dims in double with the BF16 table row (spec §5).
+inline void rope_forward_f64(double* x, const bf16* cos_row, const bf16* sin_row, index_t n) {
+  for (index_t i = 0; i < n / 2; ++i) {
+    const double c = cos_row[i].to_float(), sn = sin_row[i].to_float();
+    const double e = x[2 * i], o = x[2 * i + 1];
+    x[2 * i] = e * c - o * sn;
+    x[2 * i + 1] = e * sn + o * c;
+  }
+}
+
+inline void matmul_i8_axpy_scalar(std::int32_t* acc, index_t acc_ld, const std::int8_t* a,
+                                  index_t a_ld, int T, const std::int8_t* w, index_t w_ld,
+                                  index_t K, index_t n0, index_t n1) {
+  for (int t = 0; t < T; ++t)
+    for (index_t j = 0; j < n1 - n0; ++j) acc[t * acc_ld + j] = 0;
+  for (index_t k = 0; k < K; ++k) {
+    const std::int8_t* wr = w + k * w_ld + n0;
+    for (int t = 0; t < T; ++t) {
+      const std::int32_t av = a[t * a_ld + k];
+      std::int32_t* d = acc + t * acc_ld;
+      for (index_t j = 0; j < n1 - n0; ++j) d[j] += av * std::int32_t(wr[j]);
+    }
+  }
+}
+}  // namespace detail
+
+// Packs wq_b (Q_LORA, H*512) INT8 for the avx2_vnni tier (see QkvPackedWqB). Call once at load
+// time (allocates Q_LORA·H·512 bytes); only useful where cpu::cpu_supports(Isa::avx2_vnni).
+inline QkvPackedWqB pack_qkv_wq_b(const ModelConfig& cfg, ConstView<std::int8_t, 2> wq_b) {
+  constexpr std::string_view where = "pack_qkv_wq_b";
+  const index_t K = cfg.q_lora, N = index_t(cfg.n_heads) * cfg.head_dim;
+  if (K % 4 != 0) throw_arg(where, "cfg.q_lora", K, "a multiple of 4");
+  if (N % 8 != 0) throw_arg(where, "cfg.n_heads * cfg.head_dim", N, "a multiple of 8");
+  check_equal(where, "wq_b.extent(0)", wq_b.extent(0), K);
+  check_equal(where, "wq_b.extent(1)", wq_b.extent(1), N);
+  QkvPackedWqB p;
+  p.q_lora = K;
+  p.cols = N;
+  p.data = Buffer<std::uint8_t>(std::size_t(K * N));
+  const index_t KQ = K / 4;
+  // Rows in order (sequential reads); byte 4j + i of quad q of vector v = w[4q + i][8v + j] + 128.
+  for (index_t k = 0; k < K; ++k)
+    for (index_t n = 0; n < N; ++n)
+      p.data[std::size_t(((n / 8) * KQ + k / 4) * 32 + (n % 8) * 4 + k % 4)] =
+          std::uint8_t(std::uint8_t(wq_b(k, n)) ^ 0x80u);
+  return p;
+}
+
+}  // namespace kernels
+
+namespace cpu {
+
+template <Isa I>
+struct backend_ops_qkv_projection {
+  static constexpr index_t kMaxHeadDim = 512;
+  static constexpr index_t kTile = 256;  // columns per task: each weight row segment is 512 B
+
+  static std::size_t workspace_bytes(const Cpu<I>&, const ModelConfig&, index_t) { return 0; }
+  static void check(const Cpu<I>&, const kernels::QkvArgs&) {}
+
+  // Which INT8 matmul runs project_b: avx2_vnni needs Q_LORA <= 65536 (its INT32 bound) and
+  // 32-column multiples (head_dim 512), otherwise the avx2 matmul runs (same integers).
+  static bool vnni(const kernels::QkvArgs& a) {
+    return I == Isa::avx2_vnni && a.cfg->q_lora <= 65536 && a.cfg->head_dim % 32 == 0;
+  }
+
+  // x_n → FP32 (exact) once, then cq_raw = x @ wq_a and kvf_raw = x @ wkv in 256-column tiles
+  // (wq_a tiles first), 8 tokens per pass over a weight row.
+  static void project_a(const Cpu<I>& be, const kernels::QkvArgs& a) {
+    const index_t T = a.tokens(), D = a.cfg->hidden, QL = a.cfg->q_lora, HD = a.cfg->head_dim;
+    const QkvScratch& s = a.s;
+    for (index_t t = 0; t < T; ++t)
+      for (index_t k = 0; k < D; ++k) s.x(t, k) = a.x_n(t, k).to_float();
+    const index_t q_tiles = QL / kTile, kv_tiles = HD / kTile;
+    be.tasks(q_tiles + kv_tiles, [&](std::int64_t task) {
+      const bool is_q = task < q_tiles;
+      const index_t n0 = (is_q ? task : task - q_tiles) * kTile;
+      const ConstView<bf16, 2>& wm = is_q ? a.w.wq_a : a.w.wkv;
+      const View<float, 2> dst = is_q ? s.cq : s.kvf;
+      for (index_t t0 = 0; t0 < T; t0 += 8) {
+        const int tc = int(std::min<index_t>(8, T - t0));
+#if TILEDECODE_X86
+        if constexpr (has_avx2(I)) {
+          avx2::matmul_bf16_axpy(dst.data() + t0 * dst.stride(0), dst.stride(0),
+                                 s.x.data() + t0 * s.x.stride(0), s.x.stride(0), tc, wm.data(),
+                                 wm.stride(0), D, n0, n0 + kTile);
+          continue;
+        }
+#endif
+        kernels::detail::matmul_bf16_axpy_scalar(dst.data() + t0 * dst.stride(0), dst.stride(0),
+                                                 s.x.data() + t0 * s.x.stride(0), s.x.stride(0), tc,
+                                                 wm.data(), wm.stride(0), D, n0, n0 + kTile);
+      }
+    });
+  }
+
+  struct Lane {};
+  template <class Body>
+  static void for_tokens(const Cpu<I>& be, const kernels::QkvArgs& a, Body&& body) {
+    be.tasks(a.tokens(), [&](std::int64_t t) {
+      Lane lane;
+      body(lane, t);
+    });
+  }
+  // RMSNorm of cq (double), Q8 → qr, and the INT8 matmul's operand staging.
+  static void q_latent(Lane&, const kernels::QkvArgs& a, index_t t) {
+    const index_t QL = a.cfg->q_lora;
+    const QkvScratch& s = a.s;
+    float* cq = s.cq.data() + t * s.cq.stride(0);
+    kernels::rmsnorm_row_f64(cq, a.w.gamma_cq.data(), QL, a.cfg->rms_eps, I);
+    std::int8_t* qrt = a.qr.data() + t * a.qr.stride(0);
+    a.qr_scale(t) = quantize_q8_row(I, qrt, cq, QL);
+    if (vnni(a)) {
+      std::int32_t sum = 0;
+      for (index_t k = 0; k < QL; ++k) sum += qrt[k];
+      s.qr_pairs(t, 0) = sum;
+    } else {
+      for (index_t k = 0; k < QL; k += 2) {
+        const auto lo = std::uint32_t(std::uint16_t(std::int16_t(qrt[k])));
+        const auto hi = std::uint32_t(std::uint16_t(std::int16_t(qrt[k + 1])));
+        s.qr_pairs(t, k / 2) = std::int32_t(lo | (hi << 16));
+      }
+    }
+  }
+  // kv = bf16([kvf·r·gamma_ckv][:448], rope_fwd(..[448:], pos_t)) in double.
+  static void kv_row(Lane&, const kernels::QkvArgs& a, index_t t) {
+    const index_t HD = a.cfg->head_dim, NOPE = a.cfg->nope_dim(), RD = a.cfg->rope_dim;
+    const float* kvr = a.s.kvf.data() + t * a.s.kvf.stride(0);
+    double kd[kMaxHeadDim];
+    const double r =
+        1.0 / std::sqrt(kernels::sum_squares_f64(kvr, HD, I) / double(HD) + double(a.cfg->rms_eps));
+    for (index_t i = 0; i < HD; ++i)
+      kd[i] = double(kvr[i]) * r * double(a.w.gamma_ckv(i).to_float());
+    const index_t pos = a.positions(t);
+    kernels::detail::rope_forward_f64(kd + NOPE, a.rope.cos_row(pos), a.rope.sin_row(pos), RD);
+    bf16* kvd = a.kv.data() + t * a.kv.stride(0);
+    for (index_t i = 0; i < HD; ++i) kvd[i] = bf16(float(kd[i]));
+  }
+  // Per head: INT32 qr @ wq_b[:, head], dequant, per-head RMSNorm, RoPE, BF16 store (fused).
+  static void project_b(const Cpu<I>& be, const kernels::QkvArgs& a) {
+    const index_t T = a.tokens(), QL = a.cfg->q_lora, H = a.cfg->n_heads;
+    const index_t HD = a.cfg->head_dim, NOPE = a.cfg->nope_dim(), RD = a.cfg->rope_dim;
+    [[maybe_unused]] const QkvScratch& s = a.s;
+    [[maybe_unused]] const bool use_vnni = vnni(a);
+    [[maybe_unused]] const QkvPackedWqB* packed = use_vnni ? a.w.wq_b_packed : nullptr;
+    be.tasks(H, [&](std::int64_t h) {
+      // Padded stride: rows 2 KB apart would alias in the 4K store/load check (see decode_avx2).
+      constexpr index_t kAccLd = kMaxHeadDim + 16;
+      alignas(64) std::int32_t acc[8 * kAccLd];
+      double qf[kMaxHeadDim];
+      const index_t n0 = h * HD;
+      for (index_t t0 = 0; t0 < T; t0 += 8) {
+        const int tc = int(std::min<index_t>(8, T - t0));
+#if TILEDECODE_X86
+        if (use_vnni) {
+          std::int32_t a_sum[8];
+          for (int tt = 0; tt < tc; ++tt) a_sum[tt] = s.qr_pairs(t0 + tt, 0);  // q_latent's Σ qr
+          if (packed) {
+            avx2_vnni::matmul_i8_packed(acc, kAccLd, a.qr.data() + t0 * a.qr.stride(0),
+                                        a.qr.stride(0), a_sum, tc,
+                                        packed->data.data() + std::size_t(n0 * QL), QL, HD);
+          } else {
+            avx2_vnni::matmul_i8_axpy(acc, kAccLd, a.qr.data() + t0 * a.qr.stride(0),
+                                      a.qr.stride(0), a_sum, tc, a.w.wq_b.data(),
+                                      a.w.wq_b.stride(0), QL, n0, n0 + HD);
+          }
+        } else if constexpr (has_avx2(I)) {
+          avx2::matmul_i8_axpy(acc, kAccLd, s.qr_pairs.data() + t0 * s.qr_pairs.stride(0),
+                               s.qr_pairs.stride(0), tc, a.w.wq_b.data(), a.w.wq_b.stride(0), QL,
+                               n0, n0 + HD);
+        } else
+#endif
+        {
+          kernels::detail::matmul_i8_axpy_scalar(acc, kAccLd, a.qr.data() + t0 * a.qr.stride(0),
+                                                 a.qr.stride(0), tc, a.w.wq_b.data(),
+                                                 a.w.wq_b.stride(0), QL, n0, n0 + HD);
+        }
+        for (int tt = 0; tt < tc; ++tt) {
+          const index_t t = t0 + tt;
+          const double qs = a.qr_scale(t);
+          double ss = 0.0;
+          for (index_t n = 0; n < HD; ++n) {
+            qf[n] = double(acc[tt * kAccLd + n]) * qs * double(a.w.wq_b_scale(n0 + n));
+            ss += qf[n] * qf[n];
+          }
+          const double r = 1.0 / std::sqrt(ss / double(HD) + double(a.cfg->rms_eps));
+          for (index_t n = 0; n < HD; ++n) qf[n] *= r;
+          const index_t pos = a.positions(t);
+          kernels::detail::rope_forward_f64(qf + NOPE, a.rope.cos_row(pos), a.rope.sin_row(pos),
+                                            RD);
+          bf16* qd = a.q.data() + t * a.q.stride(0) + h * a.q.stride(1);
+          for (index_t n = 0; n < HD; ++n) qd[n] = bf16(float(qf[n]));
+        }
+      }
+    });
+  }
+};
+
+}  // namespace cpu
+
+template <cpu::Isa I>
+struct backend_ops<kernels::QkvProjection, cpu::Cpu<I>> : cpu::backend_ops_qkv_projection<I> {};
+
+}  // namespace tiledecode
