@@ -1,5 +1,6 @@
 // Lightning indexer (spec §7) benchmarks: query path, head weights, fused score, top-k and the
-// whole indexer, at B = 4, S = 2 over context 1k…16k and batch 1…64 at 8k.
+// whole indexer, at B = 4, S = 2 over context 1k…16k and batch 1…64 at 8k; one top-k row at
+// CSA's 1M-context widths (BM_topk_row*, 4096 … 262,144 candidates).
 // Counters: OP/s (2 OP per int8 multiply-add), bytes/s (bytes the kernel must touch), and for
 // the score and the query the share of this machine's INT8 ceilings measured in the same process:
 //   pct_of_ceiling       score: vs a register-only loop of the score kernel's own instruction mix
@@ -13,10 +14,13 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <tuple>
 #include <vector>
 
@@ -27,6 +31,7 @@
 #include "tiledecode/core/hadamard.hpp"
 #include "tiledecode/paged/metadata.hpp"
 #include "tiledecode/rope/rope.hpp"
+#include "tiledecode/tile/topk.hpp"
 
 namespace td = tiledecode;
 namespace kn = tiledecode::kernels;
@@ -337,6 +342,80 @@ BENCHMARK(BM_indexer_whole)
     ->ArgNames({"B", "ctx", "threads"})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
+
+// ---- One indexer top-k row at CSA's 1M-context widths (262,144 candidates = 1M / ratio 4) ----
+// BM_topk_row: tile::topk_row (radix threshold select + sort of the k winners).
+// docs/indexer.md also lists the select it replaced (commit dc6dd7b), measured on this fixture.
+// BM_topk_row_fullsort: a full std::sort of the row's columns (what a plain top-k costs).
+// Args: candidates (row width), k, dist (0: N(0, 1) scores; 1: ReLU-like indexer scores, half of
+// them exactly 0; 2: 8 distinct values, ties everywhere). Time is per row; items = candidates.
+
+struct TopkRows {
+  static constexpr int kRows = 4;  // cycled, so no single row is learnt by the branch predictor
+  std::vector<std::vector<float>> rows;
+};
+
+const TopkRows& topk_rows_fixture(int width, int dist) {
+  static std::map<std::pair<int, int>, std::unique_ptr<TopkRows>> cache;
+  auto& slot = cache[{width, dist}];
+  if (slot) return *slot;
+  slot = std::make_unique<TopkRows>();
+  tdtest::Rng rng(std::uint64_t(width) * 7 + std::uint64_t(dist));
+  for (int r = 0; r < TopkRows::kRows; ++r) {
+    std::vector<float> s(static_cast<std::size_t>(width));
+    for (auto& v : s) {
+      if (dist == 0) v = rng.normal();
+      if (dist == 1) v = std::max(0.0f, rng.normal()) * 0.03f;
+      if (dist == 2) v = float(rng.integer(0, 7)) * 0.25f;
+    }
+    slot->rows.push_back(std::move(s));
+  }
+  return *slot;
+}
+
+template <class Select>
+void topk_row_bench(benchmark::State& st, Select&& select) {
+  const int width = int(st.range(0)), k = int(st.range(1));
+  const TopkRows& f = topk_rows_fixture(width, int(st.range(2)));
+  std::vector<std::int32_t> dst(static_cast<std::size_t>(k));
+  int r = 0;
+  for (auto _ : st) {
+    select(std::span<std::int32_t>(dst), std::span<const float>(f.rows[std::size_t(r)]), k);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+    r = (r + 1) % TopkRows::kRows;
+  }
+  st.SetItemsProcessed(std::int64_t(st.iterations()) * width);
+  st.counters["candidates"] = double(width);
+}
+
+void BM_topk_row(benchmark::State& st) {
+  topk_row_bench(st, [](std::span<std::int32_t> dst, std::span<const float> s, int k) {
+    td::tile::topk_row(dst, s, k, 0);
+  });
+}
+void BM_topk_row_fullsort(benchmark::State& st) {
+  std::vector<std::int32_t> cols;
+  topk_row_bench(st, [&](std::span<std::int32_t> dst, std::span<const float> s, int k) {
+    cols.clear();
+    for (std::size_t j = 0; j < s.size(); ++j)
+      if (s[j] == s[j]) cols.push_back(std::int32_t(j));
+    std::sort(cols.begin(), cols.end(), [&](std::int32_t a, std::int32_t b) {
+      return s[std::size_t(a)] > s[std::size_t(b)] ||
+             (s[std::size_t(a)] == s[std::size_t(b)] && a < b);
+    });
+    for (std::size_t i = 0; i < dst.size(); ++i)
+      dst[i] = i < cols.size() && i < std::size_t(k) ? cols[i] : -1;
+  });
+}
+
+void topk_row_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"candidates", "k", "dist"});
+  b->ArgsProduct({{4096, 65536, 262144}, {512, 1024}, {0, 1, 2}});
+  b->Unit(benchmark::kMicrosecond);
+}
+BENCHMARK(BM_topk_row)->Apply(topk_row_args);
+BENCHMARK(BM_topk_row_fullsort)->Apply(topk_row_args);
 
 }  // namespace
 

@@ -388,8 +388,15 @@ void print_a2a3_table(const std::vector<a2::KernelReport>& reports, int layers) 
 
 int main(int argc, char** argv) try {
   const Options opt = parse(argc, argv);
-  const td::ModelConfig cfg = td::config_by_name(opt.preset);
   const int B = opt.batch, S = opt.seq, L = opt.layers;
+  // The context budget: the preset's 16k, raised to the next power of two the run needs (up to
+  // 2^20 = 1M tokens; every table, pool view, RoPE table and workspace follows cfg.max_seq_len).
+  const td::ModelConfig cfg = [&] {
+    td::ModelConfig c = td::config_by_name(opt.preset);
+    const long need = long(opt.context) + opt.steps + S;
+    while (c.max_seq_len < need && c.max_seq_len < (1 << 20)) c.max_seq_len *= 2;
+    return c;
+  }();
   td::check_range("decode_step", "--layers", L, 1, cfg.n_layers + 1);
   td::check_range("decode_step", "--batch", B, 1, 1025);
   td::check_range("decode_step", "--seq", S, 1, 9);
@@ -414,8 +421,8 @@ int main(int argc, char** argv) try {
   const index_t T = index_t(B) * S, D = cfg.hidden;
   std::printf(
       "DeepSeek-V4-%s attention decode: %d layers, batch %d x S=%d (MTP, commit 1), context %d, "
-      "%d steps, %zu threads, backend %s\n",
-      std::string(cfg.name).c_str(), L, B, S, opt.context, opt.steps, threads,
+      "%d steps (max_seq_len %d), %zu threads, backend %s\n",
+      std::string(cfg.name).c_str(), L, B, S, opt.context, opt.steps, cfg.max_seq_len, threads,
       on_a2a3 ? "a2a3 (execution model on the CPU)"
               : ("cpu, isa " + std::string(td::cpu::to_string(be.cpu_ctx.isa))).c_str());
 

@@ -6,15 +6,17 @@
 #     TILEDECODE_SANITIZE_LEAN=1 is exported so tests may shrink repeat counts; cases whose name
 #     contains "Slow" or "Exhaustive" are filtered out; and a binary with more than
 #     SAN_FULL_MAX cases runs one gtest shard of SAN_SHARDS (its cases dealt round-robin),
-#     the shard index rotating with the day of the year, so every case is sanitized once every
-#     SAN_SHARDS days while every binary runs every time.
+#     the shard index derived from the commit (its hash mod SAN_SHARDS), so a commit is always
+#     checked the same way, successive commits rotate through the shards, and every binary runs
+#     every time.
 #  2. ThreadSanitizer (clang -fsanitize=thread): builds test_reliability and test_core (the
 #     thread pool, determinism and concurrent-call tests) and runs them.
 #   SAN_BUILD_DIR / TSAN_BUILD_DIR   build folders (default build-asan, build-tsan)
 #   SAN_GTEST_FILTER                 gtest filter for pass 1 (default: no *Slow*, *Exhaustive* or
 #                                    full-width whole-layer cases, SAN_HEAVY)
 #   SAN_SHARDS / SAN_SHARD_INDEX     shards per large binary (default 4; 1 = every case) and the
-#                                    shard run (default: day of the year mod SAN_SHARDS)
+#                                    shard run (default: the HEAD commit's hash mod SAN_SHARDS;
+#                                    0 outside a git checkout)
 #   SAN_FULL_MAX                     binaries with at most this many cases run whole (default
 #                                    SAN_SHARDS: any larger binary has a case in every shard)
 #   SAN_SKIP_TSAN=1                  skip pass 2
@@ -26,10 +28,16 @@ TSAN_BUILD_DIR="${TSAN_BUILD_DIR:-$ROOT/build-tsan}"
 # Full-width whole-layer cases take minutes each under ASan + checked views; the sanitizer pass
 # covers the layer composition with the narrow-model cases instead (same paging, smaller widths).
 SAN_HEAVY="DecodeStep.ConsecutiveMtp*:DecodeStep.ThreeHundred*:DecodeStep.NoHeapAllocation*"
-SAN_HEAVY+=":LayerStep.*:Determinism.WholeLayerStep*"
+SAN_HEAVY+=":LayerStep.*:Determinism.WholeLayerStep*:A2a3Layer.*:LongContext.*"
+SAN_HEAVY+=":batch_invariant.*FullFlash*"
 SAN_GTEST_FILTER="${SAN_GTEST_FILTER:--*Slow*:*Exhaustive*:$SAN_HEAVY}"
 SAN_SHARDS="${SAN_SHARDS:-4}"
-SAN_SHARD_INDEX="${SAN_SHARD_INDEX:-$(( 10#$(date +%j) % SAN_SHARDS ))}"
+commit_shard() {
+  local h
+  h="$(git -C "$ROOT" rev-parse --short=8 HEAD 2>/dev/null || echo 0)"
+  echo $(( 16#$h % SAN_SHARDS ))
+}
+SAN_SHARD_INDEX="${SAN_SHARD_INDEX:-$(commit_shard)}"
 SAN_FULL_MAX="${SAN_FULL_MAX:-$SAN_SHARDS}"
 command -v llvm-symbolizer >/dev/null && export ASAN_SYMBOLIZER_PATH="$(command -v llvm-symbolizer)"
 export TILEDECODE_SANITIZE_LEAN=1

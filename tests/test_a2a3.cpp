@@ -7,12 +7,15 @@
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "common/compare.hpp"
+#include "common/decode_fixture.hpp"
 #include "common/random.hpp"
+#include "common/tolerances.hpp"
 #include "tiledecode/backend/a2a3/compressor.hpp"
 #include "tiledecode/backend/a2a3/indexer.hpp"
 #include "tiledecode/backend/a2a3/machine.hpp"
@@ -22,7 +25,9 @@
 #include "tiledecode/backend/a2a3/sparse_attention.hpp"
 #include "tiledecode/backend/a2a3/trace.hpp"
 #include "tiledecode/core/hadamard.hpp"
+#include "tiledecode/decode/step.hpp"
 #include "tiledecode/golden/compressor.hpp"
+#include "tiledecode/golden/decode_layer.hpp"
 #include "tiledecode/golden/indexer.hpp"
 #include "tiledecode/golden/output_projection.hpp"
 #include "tiledecode/golden/qkv_projection.hpp"
@@ -144,22 +149,6 @@ std::vector<std::int32_t> own_topk(std::span<const float> s, int vis) {
   ids.resize(512, -1);
   return ids;
 }
-testing::AssertionResult topk_near_tie_compare(std::span<const std::int32_t> actual,
-                                               std::span<const std::int32_t> expected,
-                                               std::span<const float> ref_score) {
-  for (std::size_t i = 0; i < actual.size(); ++i) {
-    if (actual[i] == expected[i]) continue;
-    if (actual[i] < 0 || expected[i] < 0)
-      return testing::AssertionFailure() << "position " << i << ": padding differs";
-    const double sa = ref_score[std::size_t(actual[i])], se = ref_score[std::size_t(expected[i])];
-    if (std::fabs(sa - se) > 1e-4 + std::fabs(se) / 128)
-      return testing::AssertionFailure()
-             << "position " << i << ": picked " << actual[i] << " (ref score " << sa
-             << ") instead of " << expected[i] << " (ref score " << se << ")";
-  }
-  return testing::AssertionSuccess();
-}
-
 void expect_indexer_matches(IndexerFixture& f, const IndexerRef& ref) {
   const int L = 4096;
   for (int t = 0; t < f.T; ++t) {
@@ -187,7 +176,7 @@ void expect_indexer_matches(IndexerFixture& f, const IndexerRef& ref) {
     EXPECT_TRUE(std::equal(ta.begin(), ta.end(), own.begin())) << "t=" << t;
     // (2) against the reference: where the picks differ, the reference scores of the two picks
     // agree within the score tolerance (near-ties reorder when scores differ in the last bits).
-    EXPECT_TRUE(topk_near_tie_compare(ta, te, e)) << "t=" << t;
+    EXPECT_TRUE(tdtest::topk_near_tie_compare(ta, te, e, 1e-4, 1.0 / 128)) << "t=" << t;
     for (int j = 512; j < L; ++j) ASSERT_EQ(f.topk.data()[t * L + j], -1);
   }
 }
@@ -853,3 +842,169 @@ TEST(A2a3QkvProjection, EqualsGolden) {
   EXPECT_TRUE(tdtest::ratio_allclose(a, e, 1.0, 0.0, 0.0));
   EXPECT_TRUE(tdtest::ratio_allclose(qs.flat(), qsg.flat(), 2.5e-5, 5e-3, 0.0));
 }
+
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+std::vector<float> floats_of(const td::Tensor<float, 3>& t) {
+  return std::vector<float>(t.data(), t.data() + t.size());
+}
+
+// Whole layer steps on the model: decode::layer_step with Backend::a2a3 computes x_out and every
+// pool with the model's instructions; the same checks the CPU layer tests use (spec §10.2: x_out
+// ratio_reldiff, every pool) against the golden layer on its own copy of the pools.
+struct A2a3Stack {
+  td::ModelConfig cfg;
+  int B;
+  td::paged::FixtureTables fx;
+  std::vector<std::unique_ptr<tdtest::LayerSetup>> layers;
+  std::vector<td::decode::LayerCacheStorage> gold;
+  A2a3Stack(int batch, const td::cpu::Context& host, std::vector<td::LayerKind> kinds,
+            const td::ModelConfig& c, td::paged::Layout layout)
+      : cfg(c),
+        B(batch),
+        fx(layout == td::paged::Layout::base
+               ? td::paged::FixtureTables(batch, cfg)
+               : td::paged::FixtureTables(batch,
+                                          td::paged::PoolSizes::per_request(batch, layout, cfg),
+                                          layout, false, cfg)) {
+    for (std::size_t l = 0; l < kinds.size(); ++l) {
+      layers.push_back(
+          std::make_unique<tdtest::LayerSetup>(cfg, kinds[l], fx.pools, int(l), 555, host, layout));
+      gold.push_back(layers.back()->caches);
+    }
+  }
+};
+
+// The slot mappings of every step (the rows the layer may write), per pool.
+struct WrittenRows {
+  std::vector<td::Tensor<std::int64_t, 1>> ori, cmp, state, inner, idx;
+  static void keep(std::vector<td::Tensor<std::int64_t, 1>>& v, td::ConstView<std::int64_t, 1> m) {
+    v.emplace_back(std::array<index_t, 1>{m.extent(0)});
+    for (index_t i = 0; i < m.extent(0); ++i) v.back().view()(i) = m(i);
+  }
+  void add(const td::paged::StepMetadata& md, td::LayerKind k) {
+    keep(ori, md.ori_slot_mapping());
+    if (k == td::LayerKind::hca) {
+      keep(cmp, md.hca_cmp_slot_mapping());
+      keep(state, md.hca_state_slot_mapping());
+    } else if (k == td::LayerKind::csa) {
+      keep(cmp, md.csa_cmp_slot_mapping());
+      keep(state, md.csa_state_slot_mapping());
+      keep(inner, md.csa_inner_state_slot_mapping());
+      keep(idx, md.csa_idx_slot_mapping());
+    }
+  }
+};
+
+// A layer's pools against golden's by the mapped-pool comparator and the layer rules of
+// tolerances.hpp (rows written by any step compared by the rule, every other row bit-identical).
+void expect_layer_pools_close(const td::decode::LayerCacheStorage& a,
+                              const td::decode::LayerCacheStorage& e, const WrittenRows& w) {
+  namespace tol = tdtest::tol;
+  auto check = [](const tol::Allclose& r, auto va, auto ve,
+                  const std::vector<td::Tensor<std::int64_t, 1>>& maps) {
+    // check_mapped takes an initializer list: fold the steps into one mapping.
+    std::vector<std::int64_t> all;
+    for (const auto& m : maps) all.insert(all.end(), m.data(), m.data() + m.size());
+    const td::ConstView<std::int64_t, 1> mv(all.data(), {index_t(all.size())});
+    return tol::check_mapped(r, va, ve, {mv});
+  };
+  auto cv = [](const auto& t) { return t.view(); };
+  auto col = [](const td::Tensor<float, 1>& t) {
+    return td::ConstView<float, 2>(t.data(), {t.view().extent(0), 1});
+  };
+  const bool hca = a.kind == td::LayerKind::hca, csa = a.kind == td::LayerKind::csa;
+  EXPECT_TRUE(check(hca ? tol::layer_hca_pool : tol::layer_kv_cache, cv(a.kv_cache), cv(e.kv_cache),
+                    w.ori));
+  if (!hca && !csa) return;
+  EXPECT_TRUE(
+      check(hca ? tol::layer_hca_pool : tol::layer_csa_cmp_kv, cv(a.cmp_kv), cv(e.cmp_kv), w.cmp));
+  EXPECT_TRUE(
+      check(hca ? tol::layer_hca_pool : tol::layer_csa_state, cv(a.state), cv(e.state), w.state));
+  if (!csa) return;
+  EXPECT_TRUE(check(tol::layer_csa_state, cv(a.inner_state), cv(e.inner_state), w.inner));
+  EXPECT_TRUE(check(tol::layer_idx_kv_cache, cv(a.idx_kv_cache), cv(e.idx_kv_cache), w.idx));
+  EXPECT_TRUE(check(tol::layer_idx_kv_scale, col(a.idx_kv_scale), col(e.idx_kv_scale), w.idx));
+}
+
+// `steps` consecutive steps (commit_tokens = commit; starts advance by the committed tokens) of
+// every layer of the stack on the a2a3 model, each step's x_out against golden (spec §10.2), the
+// pools at the end (layer rules, mapped). Returns the predicted latency of the last step (us).
+double run_a2a3_steps(std::vector<std::int32_t> starts, int steps, int commit,
+                      std::vector<td::LayerKind> kinds, const td::ModelConfig& cfg,
+                      td::paged::Layout layout = td::paged::Layout::base) {
+  td::ThreadPool pool(2);
+  const td::cpu::Context host = td::cpu::make_context(&pool);
+  a2::Machine machine(&pool);
+  const auto be = td::decode::Backend::a2a3(&machine);
+  const int B = int(starts.size()), S = 2;
+  A2a3Stack st(B, host, kinds, cfg, layout);
+  std::vector<WrittenRows> written(kinds.size());
+  td::paged::StepMetadata md(B, S, cfg);
+  td::decode::Workspace ws(cfg, B, S, be);
+  const index_t T = B * S;
+  td::Tensor<float, 3> x_hc({T, 4, cfg.hidden}), x_out({T, 4, cfg.hidden}),
+      x_gold({T, 4, cfg.hidden});
+  const td::paged::StepShape sh{B, S, commit};
+  double predicted = 0;
+  for (int step = 0; step < steps; ++step) {
+    md.build(starts, sh, st.fx.tables(), st.fx.pools, cfg);
+    td::decode::synthetic::fill_x_hc(host, x_hc.view(), 31, step);
+    predicted = 0;
+    for (std::size_t l = 0; l < st.layers.size(); ++l) {
+      auto& L = *st.layers[l];
+      const auto w = L.weights.view();
+      written[l].add(md, L.kind);
+      td::decode::KernelTimes kt;
+      td::decode::layer_step(be, x_out.view(), x_hc.view(), w, L.caches.view(), md, L.rope.view(),
+                             ws, cfg, {}, &kt);
+      predicted += kt.total() * 1e6;
+      td::golden::decode_layer(x_gold.view(), x_hc.view(), w, st.gold[l].view(), starts, sh,
+                               st.fx.tables(), L.rope.view(), cfg);
+      EXPECT_TRUE(tdtest::tol::check(
+          L.kind == td::LayerKind::csa ? tdtest::tol::layer_x_out_csa : tdtest::tol::layer_x_out,
+          floats_of(x_out), floats_of(x_gold)))
+          << td::to_string(L.kind) << " x_out, step " << step << ", start[0] " << starts[0];
+    }
+    for (auto& s : starts) s += sh.committed();
+  }
+  for (std::size_t l = 0; l < st.layers.size(); ++l) {
+    SCOPED_TRACE(std::string(td::to_string(st.layers[l]->kind)) + " pools");
+    expect_layer_pools_close(st.layers[l]->caches, st.gold[l], written[l]);
+  }
+  return predicted;
+}
+
+TEST(A2a3Layer, SwaMatchesGoldenAtCanonicalStarts) {
+  const double us =
+      run_a2a3_steps({8192, 127, 31, 8192}, 1, -1, {td::LayerKind::swa}, td::flash_config());
+  EXPECT_GT(us, 0.0);
+}
+TEST(A2a3Layer, CsaMatchesGoldenAtCanonicalStarts) {
+  run_a2a3_steps({8192, 0, 2, 3}, 1, -1, {td::LayerKind::csa}, td::flash_config());
+}
+TEST(A2a3Layer, HcaMatchesGoldenAtCanonicalStarts) {
+  run_a2a3_steps({8192, 127, 128, 255}, 1, -1, {td::LayerKind::hca}, td::flash_config());
+}
+// MTP (S = 2, commit 1) over consecutive steps crossing every boundary of the CPU's 300-step run
+// (see decode_step.DecodeStep.ConsecutiveMtpStepsCrossEveryBoundary for why these starts), on
+// SWA, CSA and HCA layers of the flash model.
+TEST(A2a3Layer, ConsecutiveMtpStepsCrossEveryBoundary) {
+  run_a2a3_steps({0, 8188, 124, 252}, 8, 1,
+                 {td::LayerKind::swa, td::LayerKind::csa, td::LayerKind::hca}, td::flash_config());
+}
+
+// The HEAD cache layouts on the model: the device ring (128-row pages, ring-wrapped tables) for
+// CSA, and prefix caching (1-row HCA compressed pages) for HCA. (Prefix caching's 32-row index
+// pages are outside the model's score schedule: its check says so, see a2a3 indexer_score.)
+TEST(A2a3Layer, CsaDeviceRingLayout) {
+  run_a2a3_steps({8192, 0, 2, 3}, 1, 1, {td::LayerKind::csa}, td::flash_config(),
+                 td::paged::Layout::device_ring);
+}
+TEST(A2a3Layer, HcaPrefixCachingLayout) {
+  run_a2a3_steps({8192, 127, 128, 255}, 1, 1, {td::LayerKind::hca}, td::flash_config(),
+                 td::paged::Layout::prefix_caching);
+}
+
+}  // namespace

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -249,6 +250,15 @@ td::cpu::Isa isa_of(BackendId b) {
                                      : td::cpu::Isa::scalar;
 }
 
+// The model of the table: flash; in the sanitizer pass (TILEDECODE_SANITIZE_LEAN, set by
+// scripts/ci_sanitize.sh) the narrow flash (tests/common/narrow_config.hpp: every paging, cache
+// and per-head constant of flash, dense widths cut), which runs the same code paths in a
+// fraction of the time under ASan + checked views.
+td::ModelConfig table_config() {
+  return std::getenv("TILEDECODE_SANITIZE_LEAN") != nullptr ? tdtest::narrow_config()
+                                                            : td::flash_config();
+}
+
 // A case's golden layer (every intermediate, the pools after) and the backend's plan of the same
 // step, with what feeds one kernel its golden inputs and what compares its outputs.
 struct Harness {
@@ -256,7 +266,7 @@ struct Harness {
   static constexpr index_t T = B * S;
   Case c;
   BackendId bid;
-  td::ModelConfig cfg = td::flash_config();
+  td::ModelConfig cfg = table_config();
   td::ThreadPool pool{2};
   td::cpu::Context host = td::cpu::make_context(&pool);
   td::paged::FixtureTables fx{B, cfg};

@@ -3,10 +3,18 @@
 
 #include <atomic>
 #include <bit>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <limits>
+#include <mutex>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include "common/random.hpp"
@@ -247,6 +255,137 @@ TEST(Parallel, ExceptionPropagatesAndPoolStaysUsable) {
   std::atomic<int> n{0};
   td::parallel_for(pool, 0, 100, 1, [&](std::int64_t) { n++; });
   EXPECT_EQ(n.load(), 100);
+}
+
+// Runs f; if it has not returned after `seconds`, the process exits with a message (a deadlock
+// must fail the test, not hang it).
+void within_seconds(int seconds, const std::function<void()>& f) {
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread watchdog([&] {
+    std::unique_lock lk(m);
+    if (!cv.wait_for(lk, std::chrono::seconds(seconds), [&] { return done; })) {
+      std::fprintf(stderr, "DEADLOCK: a nested ThreadPool::run did not return within %d s\n",
+                   seconds);
+      std::_Exit(3);
+    }
+  });
+  auto finish = [&] {
+    {
+      std::lock_guard lk(m);
+      done = true;
+    }
+    cv.notify_all();
+    watchdog.join();
+  };
+  try {
+    f();
+  } catch (...) {
+    finish();
+    throw;
+  }
+  finish();
+}
+
+// A run() from inside a task of the same pool (on a worker or on the calling thread) runs inline
+// on that thread instead of waiting for the pool it occupies (which deadlocked).
+TEST(Parallel, NestedRunOnTheSamePoolRunsInlineInsteadOfDeadlocking) {
+  for (std::size_t threads : {2u, 3u}) {
+    td::ThreadPool pool(threads);
+    within_seconds(60, [&] {
+      for (int rep = 0; rep < 20; ++rep) {
+        std::vector<std::atomic<int>> hits(8 * 100);
+        std::atomic<int> other_thread{0}, not_inside{0};
+        EXPECT_FALSE(pool.inside_task());
+        td::parallel_for(pool, 0, 8, 1, [&](std::int64_t i) {
+          if (!pool.inside_task()) not_inside++;
+          const auto id = std::this_thread::get_id();
+          td::parallel_for(pool, 0, 100, 7, [&](std::int64_t j) {
+            if (std::this_thread::get_id() != id) other_thread++;
+            hits[std::size_t(i * 100 + j)]++;
+            td::parallel_for(pool, 0, 3, 1, [&](std::int64_t) {
+              if (std::this_thread::get_id() != id) other_thread++;
+            });
+          });
+          if (!pool.inside_task()) not_inside++;  // the marker survives the nested runs
+        });
+        EXPECT_FALSE(pool.inside_task());
+        for (auto& h : hits) ASSERT_EQ(h.load(), 1);
+        EXPECT_EQ(other_thread.load(), 0) << "nested tasks must run on their caller's thread";
+        EXPECT_EQ(not_inside.load(), 0);
+      }
+    });
+    // Still a working pool.
+    std::atomic<int> n{0};
+    td::parallel_for(pool, 0, 1000, 3, [&](std::int64_t) { n++; });
+    EXPECT_EQ(n.load(), 1000);
+  }
+}
+
+TEST(Parallel, NestedRunKeepsTheExecutorContractOnExceptions) {
+  td::ThreadPool pool(2);
+  within_seconds(60, [&] {
+    std::atomic<int> inner{0};
+    EXPECT_THROW(td::parallel_for(pool, 0, 4, 1,
+                                  [&](std::int64_t) {
+                                    td::parallel_for(pool, 0, 50, 1, [&](std::int64_t j) {
+                                      inner++;
+                                      if (j == 3) throw td::Error("inner boom");
+                                    });
+                                  }),
+                 td::Error);
+    EXPECT_EQ(inner.load(), 4 * 50) << "every nested task runs once, the first error after all";
+  });
+  std::atomic<int> n{0};
+  td::parallel_for(pool, 0, 100, 1, [&](std::int64_t) { n++; });
+  EXPECT_EQ(n.load(), 100);
+}
+
+// A kernel given the pool, called from inside the pool's own tasks: same bytes as a direct call.
+TEST(Parallel, KernelCalledFromATaskOfItsOwnPoolRunsInline) {
+  td::ThreadPool pool(2);
+  const td::cpu::Context ctx = td::cpu::make_context(&pool);
+  const td::index_t T = 64, D = 512;
+  td::Tensor<td::bf16, 2> x({T, D}), ref({T, D}), nested({T, D});
+  td::Tensor<td::bf16, 1> w({D});
+  std::uint32_t s = 7;
+  auto next = [&] {
+    s = s * 1664525u + 1013904223u;
+    return float(s >> 8) / float(1 << 24) - 0.5f;
+  };
+  for (auto& v : x.flat()) v = td::bf16(next() * 4.0f);
+  for (auto& v : w.flat()) v = td::bf16(1.0f + next());
+  td::kernels::rmsnorm(ctx, ref.view(), x.view(), w.view(), 1e-6f);
+  within_seconds(60, [&] {
+    td::parallel_for(pool, 0, 4, 1, [&](std::int64_t i) {
+      const td::index_t r0 = i * 16;
+      td::kernels::rmsnorm(ctx, nested.view().slice(0, r0, r0 + 16), x.view().slice(0, r0, r0 + 16),
+                           w.view(), 1e-6f);
+    });
+  });
+  EXPECT_EQ(0, std::memcmp(ref.data(), nested.data(), ref.size() * sizeof(td::bf16)));
+}
+
+// Nesting across pools: A's task runs pool B (B's workers do the work, B's marker inside B's
+// tasks), and A's marker is back when B.run returns.
+TEST(Parallel, NestedRunOfAnotherPoolUsesThatPool) {
+  td::ThreadPool a(2), b(2);
+  within_seconds(60, [&] {
+    std::atomic<int> in_b{0}, in_a_inside_b{0}, a_after{0}, n{0};
+    td::parallel_for(a, 0, 4, 1, [&](std::int64_t) {
+      td::parallel_for(b, 0, 16, 1, [&](std::int64_t) {
+        n++;
+        in_b += b.inside_task();
+        in_a_inside_b += a.inside_task();
+      });
+      a_after += a.inside_task();
+    });
+    EXPECT_EQ(n.load(), 64);
+    EXPECT_EQ(in_b.load(), 64);
+    EXPECT_EQ(in_a_inside_b.load(), 0);
+    EXPECT_EQ(a_after.load(), 4);
+  });
 }
 
 TEST(Parallel, ContextRunsInlineWithoutExecutor) {

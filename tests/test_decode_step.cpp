@@ -5,10 +5,13 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
@@ -152,6 +155,85 @@ TEST(DecodeStep, NoHeapAllocationInsideAStep) {
 // Batch >= 5: more requests than any fixed small-batch array of the metadata or kernels.
 TEST(DecodeStep, NoHeapAllocationInsideAStepBatch6) {
   expect_no_heap_allocation({8192, 0, 2, 3, 127, 4095});
+}
+
+// Full flash shapes at large batches (issue 15): B = 128, S = 2 (T = 256) and B = 64, S = 8
+// (T = 512), one step of a SWA, a CSA and an HCA layer each, the metadata build included. The pools
+// are the spec's fixed sizes (the fixture tables wrap around them: requests alias pages, which is
+// defined behaviour) so that the test stays within memory. The warm-up is a B = 1 step of the same
+// S on the same workspace, metadata and layers: a buffer grown lazily for the large batch is
+// counted. Allocations are attributed: metadata build, then per layer; a layer that allocates is
+// re-run kernel by kernel (plan_layer_step + run_layer_kernel) to name the kernel.
+long count_allocations(const std::function<void()>& f) {
+  g_allocs = 0;
+  g_counting = true;
+  f();
+  g_counting = false;
+  return g_allocs.load();
+}
+
+void expect_no_heap_allocation_large(int B, int S) {
+  td::ThreadPool pool(2);
+  const auto be = td::decode::Backend::cpu(&pool);
+  const auto cfg = td::flash_config();
+  const td::paged::FixtureTables fx(B, td::paged::PoolSizes{}, false, cfg);
+  const td::LayerKind kinds[3] = {td::LayerKind::swa, td::LayerKind::csa, td::LayerKind::hca};
+  std::vector<std::unique_ptr<tdtest::LayerSetup>> layers;
+  for (int l = 0; l < 3; ++l)
+    layers.push_back(
+        std::make_unique<tdtest::LayerSetup>(cfg, kinds[l], fx.pools, l, 777, be.cpu_ctx));
+  td::paged::StepMetadata md(B, S, cfg);
+  td::decode::Workspace ws(cfg, B, S, be.concurrency());
+  const index_t T = index_t(B) * S;
+  td::Tensor<float, 3> x_hc({T, 4, cfg.hidden}), x_out({T, 4, cfg.hidden});
+  td::decode::synthetic::fill_x_hc(be.cpu_ctx, x_hc.view(), 5, 0);
+  // Starts over the whole context: ratio-4 / ratio-128 boundaries, long CSA lists (top-k 512 of up
+  // to 4096 rows), the window slide.
+  std::vector<std::int32_t> starts(static_cast<std::size_t>(B));
+  for (int b = 0; b < B; ++b)
+    starts[std::size_t(b)] = std::int32_t((std::int64_t(b) * 2749 + 127) % (cfg.max_seq_len - S));
+  const td::paged::StepShape sh{B, S, 1};
+  auto layer = [&](std::size_t l, index_t tokens) {
+    td::decode::layer_step(be, x_out.view().slice(0, 0, tokens), x_hc.view().slice(0, 0, tokens),
+                           layers[l]->weights.view(), layers[l]->caches.view(), md,
+                           layers[l]->rope.view(), ws, cfg);
+  };
+  // Warm-up: B = 1.
+  const std::int32_t one[1] = {8191};
+  md.build(one, {1, S, 1}, fx.tables(), fx.pools, cfg);
+  for (std::size_t l = 0; l < 3; ++l) layer(l, S);
+
+  const auto t0 = std::chrono::steady_clock::now();
+  const long n_md = count_allocations([&] { md.build(starts, sh, fx.tables(), fx.pools, cfg); });
+  EXPECT_EQ(n_md, 0) << "StepMetadata::build, B " << B << ", S " << S;
+  long total = n_md;
+  for (std::size_t l = 0; l < 3; ++l) {
+    const long n = count_allocations([&] { layer(l, T); });
+    total += n;
+    EXPECT_EQ(n, 0) << td::to_string(kinds[l]) << " layer step, B " << B << ", S " << S;
+    if (n == 0) continue;
+    td::decode::LayerPlan p;
+    const long n_plan = count_allocations([&] {
+      td::decode::plan_layer_step(p, be, x_out.view(), x_hc.view(), layers[l]->weights.view(),
+                                  layers[l]->caches.view(), md, layers[l]->rope.view(), ws, cfg);
+    });
+    std::string where = "plan+validation " + std::to_string(n_plan);
+    for (const auto k : td::decode::layer_kernels(kinds[l]))
+      where += ", " + std::string(td::decode::to_string(k)) + " " +
+               std::to_string(count_allocations([&] { td::decode::run_layer_kernel(be, p, k); }));
+    ADD_FAILURE() << td::to_string(kinds[l]) << " allocations per part: " << where;
+  }
+  std::printf("B %d, S %d (T %lld): metadata + 3 layer steps in %.2f s, %ld allocations\n", B, S,
+              static_cast<long long>(T),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), total);
+}
+
+TEST(DecodeStep, NoHeapAllocationInsideAStepB128S2) {
+  expect_no_heap_allocation_large(128, 2);
+}
+
+TEST(DecodeStep, NoHeapAllocationInsideAStepB64S8) {
+  expect_no_heap_allocation_large(64, 8);
 }
 
 TEST(DecodeStep, RejectsBadArgumentsBeforeWriting) {

@@ -121,6 +121,33 @@ testing::AssertionResult topk_pair_compare(std::span<const std::int32_t> actual,
   return testing::AssertionSuccess();
 }
 
+// Top-k of a kernel against golden's when the two ranked slightly different scores (a layer
+// step: the kernel's scores come from its own upstream results): where the picks differ, golden's
+// scores of the two picks must agree within the score rule (atol + rtol |e|) - a near-tie
+// reordered by last-bit differences passes, a clearly worse pick fails. -1 padding must match.
+inline testing::AssertionResult topk_near_tie_compare(std::span<const std::int32_t> actual,
+                                                      std::span<const std::int32_t> expected,
+                                                      std::span<const float> golden_score,
+                                                      double atol, double rtol) {
+  if (actual.size() != expected.size())
+    return testing::AssertionFailure() << "size " << actual.size() << " vs " << expected.size();
+  for (std::size_t i = 0; i < actual.size(); ++i) {
+    if (actual[i] == expected[i]) continue;
+    if (actual[i] < 0 || expected[i] < 0)
+      return testing::AssertionFailure() << "position " << i << ": padding differs";
+    if (std::size_t(actual[i]) >= golden_score.size())
+      return testing::AssertionFailure()
+             << "position " << i << ": index " << actual[i] << " outside the score row";
+    const double sa = golden_score[std::size_t(actual[i])],
+                 se = golden_score[std::size_t(expected[i])];
+    if (std::fabs(sa - se) > atol + rtol * std::fabs(se))
+      return testing::AssertionFailure()
+             << "position " << i << ": picked " << actual[i] << " (golden score " << sa
+             << ") instead of " << expected[i] << " (golden score " << se << ")";
+  }
+  return testing::AssertionSuccess();
+}
+
 // Floats of a BF16 span, for the comparators.
 template <class Bf16>
 std::vector<float> to_floats(std::span<const Bf16> v) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/compare.hpp"
+#include "common/narrow_config.hpp"
 #include "tiledecode/decode/layer.hpp"
 #include "tiledecode/decode/synthetic.hpp"
 #include "tiledecode/paged/step_metadata.hpp"
@@ -16,24 +17,7 @@
 
 namespace tdtest {
 
-// A narrow DeepSeek-V4-flash for long multi-step tests: every cache and paging constant of flash
-// (head_dim 512, rope_dim 64, page 128, window 128, attention tile 128, max_seq_len 16384, state
-// pages 4/8, idx_head_dim 128, idx_topk 512, so the same pools, tables, slot mappings, window
-// lists, compressed-row counts and top-k sizes) with the dense widths cut to the smallest values
-// every kernel accepts: hidden 512, 8 heads (sparse attention: a multiple of 8 and of o_groups),
-// q_lora 256 (qkv_projection: a multiple of 256), o_lora 128 (output projection: a multiple of 32),
-// 2 output groups (4 heads, 2048 inputs per group), 16 indexer heads (indexer: a multiple of 16).
-inline tiledecode::ModelConfig narrow_config() {
-  tiledecode::ModelConfig c = tiledecode::flash_config();
-  c.name = "flash-narrow";
-  c.hidden = 512;
-  c.n_heads = 8;
-  c.q_lora = 256;
-  c.o_lora = 128;
-  c.o_groups = 2;
-  c.idx_n_heads = 16;
-  return c;
-}
+// narrow_config(): common/narrow_config.hpp (also used by the fuzz targets, without gtest).
 
 struct LayerSetup {
   tiledecode::ModelConfig cfg;
@@ -44,11 +28,12 @@ struct LayerSetup {
 
   LayerSetup(const tiledecode::ModelConfig& c, tiledecode::LayerKind k,
              const tiledecode::paged::PoolSizes& pools, int layer, std::uint64_t seed,
-             const tiledecode::cpu::Context& ctx)
+             const tiledecode::cpu::Context& ctx,
+             tiledecode::paged::Layout layout = tiledecode::paged::Layout::base)
       : cfg(c),
         kind(k),
         weights(c, k),
-        caches(c, k, pools),
+        caches(c, k, pools, layout),
         rope(tiledecode::make_rope_table(c, k, c.max_seq_len)) {
     tiledecode::decode::synthetic::fill_weights(ctx, weights, cfg, layer, seed);
     weights.pack(cfg);

@@ -68,6 +68,20 @@ inline constexpr Allclose sparse_attn_out{"o_packed", 1e-4, kBf16Rtol, 0.005, "�
 inline constexpr Allclose o_proj_out{"attn_out", 1e-4, kBf16Rtol, 0.005, "§10.2 sparse_attn"};
 // hc_post's x_out, alone (inputs from golden): FP32 combination of FP32/BF16 inputs.
 inline constexpr Allclose hc_post_out{"x_out", 1e-5, 1e-5, 0.0, "FP32 rows, no spec rule"};
+// A whole layer's pools over one or more steps, by the mapped-pool comparator: the layer rows of
+// the addendum (§12.3 [DSP], §12.4 [PRO]); every kernel alone is held to the operator rules above.
+inline constexpr Allclose layer_kv_cache{"kv_cache", 1e-4, kBf16Rtol, 0.005,
+                                         "§12.3 SWA/CSA layer kv_cache (mapped)"};
+inline constexpr Allclose layer_csa_cmp_kv{"cmp_kv", 1e-4, kBf16Rtol, 0.005,
+                                           "§12.3 CSA layer cmp_kv (mapped)"};
+inline constexpr Allclose layer_hca_pool{"kv_cache/cmp_kv/compress_state", 1e-3, kBf16Rtol, 0.005,
+                                         "§12.3 HCA layer pools (mapped)"};
+inline constexpr Allclose layer_csa_state{"compress_state", 1e-3, 1e-3, 0.005,
+                                          "§12.3 CSA layer states (mapped)"};
+inline constexpr Allclose layer_idx_kv_cache{"idx_kv_cache", 1.0, 0.0, 0.01,
+                                             "§12.3 CSA layer idx_kv_cache (mapped)"};
+inline constexpr Allclose layer_idx_kv_scale{"idx_kv_scale", 1e-4, kBf16Rtol, 0.01,
+                                             "§12.3 CSA layer idx_kv_scale (mapped)"};
 // A whole layer's x_out (§10.2 attention_csa / _hca / _swa; §12.3 hw rows).
 inline constexpr Reldiff layer_x_out_csa{"x_out", 4e-3, 0.008, 1.0, "§10.2 attention_csa"};
 inline constexpr Reldiff layer_x_out{"x_out", 3e-3, 0.008, 1.0, "§10.2 attention_hca/swa"};

@@ -23,6 +23,7 @@
 #include "fuzz_common.hpp"
 #include "tiledecode/backend/cpu/indexer.hpp"
 #include "tiledecode/golden/indexer.hpp"
+#include "tiledecode/kernels/topk.hpp"
 
 namespace td = tiledecode;
 namespace tk = tiledecode::kernels;

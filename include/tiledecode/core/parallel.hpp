@@ -60,6 +60,16 @@ class SerialExecutor final : public Executor {
 // A fixed pool of worker threads. The calling thread takes part in the work, so a pool of
 // `n` threads starts `n - 1` workers. One `run` at a time per pool (calls are serialised).
 //
+// Nested use: `run` called from inside a task of the SAME pool (a kernel given this pool, called
+// from a task the pool is running, on a worker or on the calling thread) runs its tasks inline on
+// that thread, in index order, with the Executor contract (every task once, the first exception
+// rethrown after all of them), instead of waiting for the pool it is itself occupying (which
+// deadlocked: the outer run holds the pool). A thread_local marker (the pool whose tasks the
+// thread is running) is the only state; it is set and restored around each task loop, so a task
+// of pool A that runs pool B sees B's marker inside B's tasks and A's again afterwards. Not
+// detected: a cycle across pools whose inner run executes on ANOTHER pool's workers (A's task
+// runs B, whose task runs A again): B's worker does not know it serves A, and that waits.
+//
 // Waiting: a worker that finished a run spins for `spin` (default 100 µs) watching for the next
 // run before it sleeps on the condition variable, and the caller spins as long for the workers'
 // last tasks before it sleeps. A decode step calls its kernels back to back, so the spin catches
@@ -93,8 +103,15 @@ class ThreadPool final : public Executor {
   }
   std::size_t concurrency() const override { return workers_.size() + 1; }
 
+  // True while the calling thread is running a task of this pool (a nested run goes inline).
+  bool inside_task() const noexcept { return current_pool() == this; }
+
   void run(std::size_t n_tasks, FunctionRef body) override {
     if (n_tasks == 0) return;
+    if (inside_task()) {  // nested: this thread already holds one of the pool's lanes
+      run_inline(n_tasks, body);
+      return;
+    }
     if (workers_.empty() || n_tasks == 1) {
       for (std::size_t i = 0; i < n_tasks; ++i) body(i);
       return;
@@ -126,6 +143,37 @@ class ThreadPool final : public Executor {
   }
 
  private:
+  // The pool whose tasks this thread is running (nullptr outside any task loop).
+  static const ThreadPool*& current_pool() noexcept {
+    static thread_local const ThreadPool* p = nullptr;
+    return p;
+  }
+  // Marks this thread as running `pool`'s tasks for its lifetime, restoring the outer marker.
+  class TaskScope {
+   public:
+    explicit TaskScope(const ThreadPool* pool) noexcept
+        : outer_(std::exchange(current_pool(), pool)) {}
+    ~TaskScope() { current_pool() = outer_; }
+    TaskScope(const TaskScope&) = delete;
+    TaskScope& operator=(const TaskScope&) = delete;
+
+   private:
+    const ThreadPool* outer_;
+  };
+
+  // Every task on the calling thread, in order; the first exception after all of them.
+  static void run_inline(std::size_t n_tasks, FunctionRef body) {
+    std::exception_ptr first;
+    for (std::size_t i = 0; i < n_tasks; ++i) {
+      try {
+        body(i);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  }
+
   // Spins (with a pause hint) until pred() or stop, for at most spin_.
   template <class Pred>
   void spin_until(Pred&& pred) const {
@@ -149,16 +197,19 @@ class ThreadPool final : public Executor {
   // Called with active_ incremented; body_ and n_tasks_ are stable until active_ drops to 0.
   void drain() {
     std::size_t finished = 0;
-    for (;;) {
-      const std::size_t i = next_.fetch_add(1, std::memory_order_relaxed);
-      if (i >= n_tasks_) break;
-      try {
-        (*body_)(i);
-      } catch (...) {
-        std::lock_guard lk(m_);
-        if (!error_) error_ = std::current_exception();
+    {
+      const TaskScope scope(this);  // a run() from inside a task goes inline
+      for (;;) {
+        const std::size_t i = next_.fetch_add(1, std::memory_order_relaxed);
+        if (i >= n_tasks_) break;
+        try {
+          (*body_)(i);
+        } catch (...) {
+          std::lock_guard lk(m_);
+          if (!error_) error_ = std::current_exception();
+        }
+        ++finished;
       }
-      ++finished;
     }
     std::lock_guard lk(m_);
     done_.fetch_add(finished, std::memory_order_release);

@@ -196,10 +196,21 @@ struct LayerCacheStorage {
   Tensor<float, 1> idx_kv_scale;
 
   LayerCacheStorage() = default;
-  LayerCacheStorage(const ModelConfig& cfg, LayerKind k, const paged::PoolSizes& pools) : kind(k) {
+  // Pools in the pages of `layout` (paged::StepTables::layout): the compressed and index pools of
+  // the prefix-caching layout hold cfg.page / R rows per page (HCA 1, CSA and index 32) and the
+  // HCA / CSA compressed pools are separate (pools.hca_cmp / pools.csa_cmp); the base and
+  // device-ring layouts share pools.cmp pages of cfg.page rows.
+  LayerCacheStorage(const ModelConfig& cfg, LayerKind k, const paged::PoolSizes& pools,
+                    paged::Layout layout = paged::Layout::base)
+      : kind(k) {
+    const bool prefix = layout == paged::Layout::prefix_caching;
     kv_cache = Tensor<bf16, 2>({pools.ori * cfg.page, cfg.head_dim});
     if (k == LayerKind::swa) return;
-    cmp_kv = Tensor<bf16, 2>({pools.cmp * cfg.page, cfg.head_dim});
+    const int ratio = k == LayerKind::hca ? 128 : 4;
+    const index_t cmp_pages =
+        !prefix ? pools.cmp : (k == LayerKind::hca ? pools.hca_cmp : pools.csa_cmp);
+    cmp_kv = Tensor<bf16, 2>(
+        {cmp_pages * rules::compressed_rows_per_page(layout, cfg.page, ratio), cfg.head_dim});
     if (k == LayerKind::hca) {
       state = Tensor<float, 2>(
           {pools.hca_state * cfg.c128_state_page, kernels::hca_compressor_spec(cfg).state_width()});
@@ -209,8 +220,9 @@ struct LayerCacheStorage {
         {pools.csa_state * cfg.c4_state_page, kernels::csa_compressor_spec(cfg).state_width()});
     inner_state = Tensor<float, 2>({pools.csa_inner_state * cfg.c4_state_page,
                                     kernels::indexer_compressor_spec(cfg).state_width()});
-    idx_kv_cache = Tensor<std::int8_t, 2>({pools.idx * cfg.page, cfg.idx_head_dim});
-    idx_kv_scale = Tensor<float, 1>({pools.idx * cfg.page});
+    const index_t idx_rows = pools.idx * rules::compressed_rows_per_page(layout, cfg.page, 4);
+    idx_kv_cache = Tensor<std::int8_t, 2>({idx_rows, cfg.idx_head_dim});
+    idx_kv_scale = Tensor<float, 1>({idx_rows});
   }
 
   LayerCaches view() {

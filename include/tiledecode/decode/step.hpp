@@ -215,32 +215,35 @@ inline void plan_layer(LayerPlan& p, std::string_view where, const Backend& be,
   if (static_cast<const void*>(x_out.data()) == static_cast<const void*>(x_hc.data())) {
     throw_arg(where, "x_out", "x_hc's buffer", "a buffer distinct from x_hc");
   }
-  const auto& pools = md.pools();
+  // Every pool at least as large as the pool the metadata was validated against (in the rows of
+  // md's layout: paged::StepMetadata::pool_rows), so every slot md built is inside the pool.
+  using paged::Table;
+  const Table cmp_table = k == LayerKind::hca ? Table::hca_cmp : Table::csa_cmp;
   require(where, "caches.kv_cache", c.kv_cache, k);
   check_at_least<index_t>(where, "caches.kv_cache.extent(0)", c.kv_cache.extent(0),
-                          pools.ori * cfg.page);
+                          md.pool_rows(Table::ori));
   require(where, "weights.attn_sink", w.attn_sink, k);
   if (k != LayerKind::swa) {
     require(where, "caches.cmp_kv", c.cmp_kv, k);
     require(where, "caches.state", c.state, k);
     require(where, "weights.compressor.wkv", w.compressor.wkv, k);
     check_at_least<index_t>(where, "caches.cmp_kv.extent(0)", c.cmp_kv.extent(0),
-                            pools.cmp * cfg.page);
+                            md.pool_rows(cmp_table));
     if (k == LayerKind::hca)
       check_at_least<index_t>(where, "caches.state.extent(0)", c.state.extent(0),
-                              pools.hca_state * cfg.c128_state_page);
+                              md.pool_rows(Table::hca_state));
   }
   if (k == LayerKind::csa) {
     check_at_least<index_t>(where, "caches.state.extent(0)", c.state.extent(0),
-                            pools.csa_state * cfg.c4_state_page);
+                            md.pool_rows(Table::csa_state));
     require(where, "caches.inner_state", c.inner_state, k);
     require(where, "caches.idx_kv_cache", c.idx_kv_cache, k);
     require(where, "caches.idx_kv_scale", c.idx_kv_scale, k);
     require(where, "weights.indexer.compressor.wkv", w.indexer.compressor.wkv, k);
     check_at_least<index_t>(where, "caches.inner_state.extent(0)", c.inner_state.extent(0),
-                            pools.csa_inner_state * cfg.c4_state_page);
+                            md.pool_rows(Table::csa_inner_state));
     check_at_least<index_t>(where, "caches.idx_kv_cache.extent(0)", c.idx_kv_cache.extent(0),
-                            pools.idx * cfg.page);
+                            md.pool_rows(Table::idx));
     if (be.kind == BackendKind::cpu && w.indexer.packed_query == nullptr) {
       throw_arg(where, "weights.indexer.packed_query", "nullptr",
                 "packed indexer query weights (kernels::pack_indexer_query_weights)");
@@ -299,10 +302,11 @@ inline void plan_layer(LayerPlan& p, std::string_view where, const Backend& be,
         w.indexer.packed_query != nullptr && be.kind == BackendKind::cpu ? w.indexer.packed_query
                                                                          : &p.idx_wq;
     p.idx_query = {&cfg, v.idx_q_i8, v.idx_q_scale, v.qr, v.qr_scale, wq, v.idx_rope_pos, rope};
+    p.idx_query.check_rope_pos = false;  // filled when the kernel runs; checked in validate_plan
     p.idx_weights = {&cfg, v.idx_weights, v.x_n, w.indexer.weights_proj};
     p.idx_score = {&cfg,          v.score,          v.idx_q_i8,     v.idx_q_scale,
-                   v.idx_weights, c.idx_kv_cache,   c.idx_kv_scale, md.tables().idx_block_table,
-                   pos,           md.kv_seq_lens(), sh.seq};
+                   v.idx_weights, c.idx_kv_cache,   c.idx_kv_scale, md.idx_block_table(),
+                   pos,           md.kv_seq_lens(), sh.seq,         md.rows_per_page(Table::idx)};
     // q_sc is produced inside the step (a Q8 scale: > 0 by construction; a non-finite one from a
     // non-finite upstream value propagates into the scores, which top-k handles), so its values
     // are not a precondition here.
@@ -312,7 +316,9 @@ inline void plan_layer(LayerPlan& p, std::string_view where, const Backend& be,
   p.attention = kernels::sparse_attention_args(
       cfg, k, v.o_packed, v.q, c.kv_cache, c.cmp_kv, md.window_indices(), md.window_lens(),
       k == LayerKind::csa ? ConstView<std::int32_t, 2>(v.topk_idxs) : ConstView<std::int32_t, 2>(),
-      md.tables().cmp_block_table, pos, md.kv_seq_lens(), sh.seq, w.attn_sink, rope);
+      k == LayerKind::swa ? ConstView<std::int32_t, 2>() : md.table(cmp_table), pos,
+      md.kv_seq_lens(), sh.seq, w.attn_sink, rope,
+      k == LayerKind::swa ? 0 : md.rows_per_page(cmp_table));
   p.o_proj = {&cfg, v.attn_out, v.o_packed, w.wo_a, w.wo_b, w.wo_b_scale};
   p.hc_post = {&cfg, x_out, v.attn_out, x_hc, v.post, v.comb};
 }
@@ -334,6 +340,14 @@ void validate_plan(const B& b, const LayerPlan& p) {
     kernels::validate(p.inner);
     ops_for<kernels::Compressor, B>::check(b, p.inner);
     kernels::validate(p.idx_query);
+    // The positions the indexer query will rotate at (written into idx_rope_pos when it runs).
+    for (index_t t = 0; t < p.v.T; ++t) {
+      const std::int32_t r =
+          rules::indexer_query_rope_position(p.positions, t, p.seq, p.reference_rope);
+      if (r < 0 || r >= p.idx_query.rope.length())
+        check_range<index_t>("indexer_query", nth_name("rope_pos", t), r, 0,
+                             p.idx_query.rope.length());
+    }
     ops_for<kernels::IndexerQuery, B>::check(b, p.idx_query);
     kernels::validate(p.idx_weights);
     kernels::validate(p.idx_score);

@@ -3,7 +3,8 @@
 // argument order as kernels/compressor.hpp (minus the context and the workspace):
 //   kv_t = x_n[t] @ wkv^T ; g_t = x_n[t] @ wgate^T + ape[pos_t % R]         (double dot → FP32)
 //   per request b in order: state rows of all its tokens, then each committed boundary:
-//     pooled[d] = Σ_j exp(g_j[d] - m) kv_j[d] / Σ_j exp(g_j[d] - m), m = max_j g_j[d]
+//     pooled[d] = Σ_j exp(g_j[d] - m) kv_j[d] / Σ_j exp(g_j[d] - m), m = max_j g_j[d] (IEEE:
+//       a NaN or +Inf score, or a NaN kv, gives NaN; every score -Inf gives 0/0 = NaN)
 //       candidates read through the state table by absolute position (unmapped → kv 0,
 //       score kNegBig); ratio 4: previous window's front halves (absent for c = 0) and the
 //       current window's back halves; ratio 128: the 128 positions of the window
@@ -21,6 +22,7 @@
 
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/config.hpp"
+#include "tiledecode/core/quant.hpp"
 #include "tiledecode/core/view.hpp"
 #include "tiledecode/golden/rope.hpp"
 #include "tiledecode/kernels/compressor.hpp"
@@ -170,16 +172,11 @@ inline void indexer_compressor_step(const ModelConfig& cfg, View<float, 2> state
                          }
                          z[j] = round_bf16(float(a));
                        }
-                       // Q8 (spec §2): amax floor 1e-4, sq = 127/amax, q = round-half-even(z*sq),
-                       // dq = 1/sq.
-                       float amax = 1e-4f;
-                       for (float v : z) amax = std::max(amax, std::fabs(v));
-                       const float sq = 127.0f / amax;
-                       for (long j = 0; j < n; ++j) {
-                         const float q = std::clamp(std::nearbyint(z[j] * sq), -127.0f, 127.0f);
-                         idx_kv_cache.at(slot, j) = static_cast<std::int8_t>(q);
-                       }
-                       idx_kv_scale.at(slot) = 1.0f / sq;
+                       // Q8 (spec §2, core/quant.hpp, whose header states the NaN / Inf rule):
+                       // amax floor 1e-4, sq = 127/amax, q = round-half-even(z*sq), dq = 1/sq.
+                       std::vector<std::int8_t> q(static_cast<std::size_t>(n));
+                       idx_kv_scale.at(slot) = quantize_q8(q, z);
+                       for (long j = 0; j < n; ++j) idx_kv_cache.at(slot, j) = q[std::size_t(j)];
                      });
 }
 

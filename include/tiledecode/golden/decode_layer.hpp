@@ -80,20 +80,46 @@ inline void decode_layer(View<float, 3> x_out, ConstView<float, 3> x_hc,
   golden::build_ori_slot_mapping(tr.ori_slot_mapping.view(), pos, tables.block_table, 0, sh, cfg);
   golden::build_window_indices(tr.window_indices.view(), tr.window_lens.view(), pos,
                                tables.block_table, 0, sh, cfg);
+  // The layout's writers (addendum §2.2 / §3.2 / §7; golden's own copies in golden/paged.hpp).
+  // block_counts columns: prefix caching §3.1 (1 HCA cmp, 2 CSA cmp, 3 idx, 4 HCA state, 5 CSA
+  // state, 6 inner state), device ring #862 §2.2 (1 cmp, 2 idx, 3 HCA state, 4 CSA state, 5 inner).
+  const bool prefix = tables.layout == paged::Layout::prefix_caching;
+  const bool ring = tables.layout != paged::Layout::base;
+  const ConstView<std::int32_t, 2> cmp_table =
+      !prefix ? tables.cmp_block_table
+              : (kind == LayerKind::hca ? tables.hca_cmp_block_table : tables.csa_cmp_block_table);
+  const int ratio = kind == LayerKind::hca ? 128 : 4;
+  // Rows per table column of the compressed / index pools (prefix caching: 128 / R).
+  const index_t cmp_page = prefix ? cfg.page / ratio : cfg.page;
+  const index_t idx_page = prefix ? cfg.page / 4 : cfg.page;
+  auto compressed = [&](View<std::int64_t, 1> dst, ConstView<std::int32_t, 2> table, int r,
+                        int prefix_col, int ring_col) {
+    if (!ring)
+      golden::build_compressed_slot_mapping(dst, pos, table, 0, r, sh, cfg);
+    else if (prefix)
+      golden::build_prefix_compressed_slot_mapping(dst, pos, table, tables.block_counts, prefix_col,
+                                                   r, sh, cfg);
+    else
+      golden::build_ring862_compressed_slot_mapping(dst, pos, table, tables.block_counts, ring_col,
+                                                    r, sh, cfg);
+  };
+  auto state = [&](View<std::int64_t, 1> dst, ConstView<std::int32_t, 2> table, int sb,
+                   int prefix_col, int ring_col) {
+    if (!ring)
+      golden::build_state_slot_mapping(dst, pos, table, 0, sb, sh, cfg);
+    else
+      golden::build_ring_state_slot_mapping(dst, pos, table, tables.block_counts,
+                                            prefix ? prefix_col : ring_col, sb, sh);
+  };
   if (kind == LayerKind::csa) {
-    golden::build_compressed_slot_mapping(tr.cmp_slot_mapping.view(), pos, tables.cmp_block_table,
-                                          0, 4, sh, cfg);
-    golden::build_compressed_slot_mapping(tr.idx_slot_mapping.view(), pos, tables.idx_block_table,
-                                          0, 4, sh, cfg);
-    golden::build_state_slot_mapping(tr.state_slot_mapping.view(), pos, tables.csa_state_table, 0,
-                                     cfg.c4_state_page, sh, cfg);
-    golden::build_state_slot_mapping(tr.inner_state_slot_mapping.view(), pos,
-                                     tables.csa_inner_state_table, 0, cfg.c4_state_page, sh, cfg);
+    compressed(tr.cmp_slot_mapping.view(), cmp_table, 4, 2, 1);
+    compressed(tr.idx_slot_mapping.view(), tables.idx_block_table, 4, 3, 2);
+    state(tr.state_slot_mapping.view(), tables.csa_state_table, cfg.c4_state_page, 5, 4);
+    state(tr.inner_state_slot_mapping.view(), tables.csa_inner_state_table, cfg.c4_state_page, 6,
+          5);
   } else if (kind == LayerKind::hca) {
-    golden::build_compressed_slot_mapping(tr.cmp_slot_mapping.view(), pos, tables.cmp_block_table,
-                                          0, 128, sh, cfg);
-    golden::build_state_slot_mapping(tr.state_slot_mapping.view(), pos, tables.hca_state_table, 0,
-                                     cfg.c128_state_page, sh, cfg);
+    compressed(tr.cmp_slot_mapping.view(), cmp_table, 128, 1, 1);
+    state(tr.state_slot_mapping.view(), tables.hca_state_table, cfg.c128_state_page, 4, 3);
   }
 
   // Front-end (spec §4).
@@ -145,7 +171,7 @@ inline void decode_layer(View<float, 3> x_out, ConstView<float, 3> x_hc,
     indexer_weights(cfg, tr.idx_weights.view(), tr.x_n.view(), w.indexer.weights_proj);
     indexer_score(cfg, tr.score.view(), tr.idx_q_i8.view(), tr.idx_q_scale.view(),
                   tr.idx_weights.view(), c.idx_kv_cache, c.idx_kv_scale, tables.idx_block_table,
-                  pos, lens, int(S));
+                  pos, lens, int(S), idx_page);
     indexer_topk(cfg, tr.topk_idxs.view(), tr.score.view(), pos, lens, int(S), cfg.idx_topk, 0);
   } else {
     for (auto& v : tr.topk_idxs.flat()) v = -1;
@@ -154,8 +180,8 @@ inline void decode_layer(View<float, 3> x_out, ConstView<float, 3> x_hc,
   // Attention core and output projection (spec §8).
   tr.o_packed = Tensor<bf16, 2>({index_t(cfg.o_groups) * T, cfg.o_group_in()});
   sparse_attention(cfg, kind, tr.o_packed.view(), tr.q.view(), c.kv_cache, c.cmp_kv,
-                   tr.window_indices.view(), tr.window_lens.view(), tr.topk_idxs.view(),
-                   tables.cmp_block_table, pos, lens, int(S), w.attn_sink, rope);
+                   tr.window_indices.view(), tr.window_lens.view(), tr.topk_idxs.view(), cmp_table,
+                   pos, lens, int(S), w.attn_sink, rope, cmp_page);
   tr.attn_out = Tensor<bf16, 2>({T, D});
   output_projection(cfg, tr.attn_out.view(), tr.o_packed.view(), w.wo_a, w.wo_b, w.wo_b_scale);
   hc_post(x_out, tr.attn_out.view(), x_hc, tr.post.view(), tr.comb.view(), cfg);

@@ -85,16 +85,21 @@ inline void indexer_weights(const ModelConfig& cfg, View<float, 2> w, ConstView<
 //   vis = min(kv_seq_lens[b] // 4, (positions[t] + 1) // 4, 4096)
 //   score[t, j] = k_sc[j] * Σ_h w[t,h] * relu(q_sc[t,h] * (q_i8[t,h] · k_i8[j]))   for j < vis
 //   score[t, j] = kNegBig                                                           for j >= vis
-// with row(b, j) = idx_block_table[b, j / 128] * 128 + j % 128 into idx_kv_cache (rows, 128)
-// INT8 and idx_kv_scale (rows) FP32. An unmapped (-1) page inside the visible range is an error.
+// with row(b, j) = idx_block_table[b, j / P] * P + j % P into idx_kv_cache (rows, 128) INT8 and
+// idx_kv_scale (rows) FP32, P = page (cfg.page = 128; 32 in the prefix-caching layout, addendum
+// §3). An unmapped (-1) page inside the visible range is an error.
 inline void indexer_score(const ModelConfig& cfg, View<float, 2> score,
                           ConstView<std::int8_t, 3> q_i8, ConstView<float, 2> q_sc,
                           ConstView<float, 2> w, ConstView<std::int8_t, 2> idx_kv_cache,
                           ConstView<float, 1> idx_kv_scale,
                           ConstView<std::int32_t, 2> idx_block_table,
                           ConstView<std::int32_t, 1> positions,
-                          ConstView<std::int32_t, 1> kv_seq_lens, int seq) {
+                          ConstView<std::int32_t, 1> kv_seq_lens, int seq, index_t page = 0) {
   const index_t T = positions.extent(0), H = cfg.idx_n_heads, DI = cfg.idx_head_dim;
+  const index_t P = page > 0 ? page : index_t(cfg.page);  // index rows per table column
+  check_equal<index_t>("golden::indexer_score", "idx_kv_cache.extent(1)", idx_kv_cache.extent(1),
+                       DI);
+  check_equal<index_t>("golden::indexer_score", "q_i8.extent(2)", q_i8.extent(2), DI);
   for (index_t t = 0; t < T; ++t) {
     const index_t b = t / seq;
     const int vis = indexer_visible_rows(cfg, positions.at(t), kv_seq_lens.at(b));
@@ -103,14 +108,19 @@ inline void indexer_score(const ModelConfig& cfg, View<float, 2> score,
         score.at(t, j) = kNegBig;
         continue;
       }
-      const index_t blk = idx_block_table.at(b, j / cfg.page);
+      const index_t blk = idx_block_table.at(b, j / P);
       if (blk < 0) throw Error("golden::indexer_score: unmapped page inside the visible range");
-      const index_t row = blk * cfg.page + j % cfg.page;
+      const index_t row = blk * P + j % P;
+      // The key row and each head's query row are read through checked element 0 and then as
+      // plain arrays (their extents are checked once: 128 columns, unit inner stride), which keeps
+      // the 1M-context oracle (262,144 keys x 64 heads per token) to seconds.
+      const std::int8_t* k = &idx_kv_cache.at(row, 0);
       double acc = 0;
       for (index_t h = 0; h < H; ++h) {
+        const std::int8_t* qh = &q_i8.at(t, h, 0);
         std::int64_t dot = 0;
         for (index_t d = 0; d < DI; ++d)
-          dot += std::int64_t(q_i8.at(t, h, d)) * idx_kv_cache.at(row, d);
+          dot += std::int64_t(qh[d * q_i8.stride(2)]) * k[d * idx_kv_cache.stride(1)];
         acc += double(w.at(t, h)) * std::max(0.0, double(q_sc.at(t, h)) * double(dot));
       }
       score.at(t, j) = float(double(idx_kv_scale.at(row)) * acc);

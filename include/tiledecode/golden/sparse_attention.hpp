@@ -7,10 +7,12 @@
 //   window column k < 128:  valid iff k < window_lens[t] and window_idx[t,k] >= 0;
 //                           row = kv_cache[window_idx[t,k]]
 //   CSA column 128 + i:     raw = topk_idxs[t,i] (i < cfg.idx_topk); valid iff 0 <= raw < (p+1)/4
-//                           and the page cmp_block_table[b, raw/128] is mapped (>= 0)
-//   HCA column 128 + i:     valid iff i < n_t = min(128, (p+1)/128, kv_seq_lens[b]/128) and the
-//                           page of row i is mapped
-//   compressed row c:       cmp_kv[cmp_block_table[b, c/128]*128 + c%128]
+//                           and the page cmp_block_table[b, raw/P] is mapped (>= 0)
+//   HCA column 128 + i:     valid iff i < n_t = min(cap, (p+1)/128, kv_seq_lens[b]/128) and the
+//                           page of row i is mapped; cap = cfg.hca_capacity() = max_seq_len/128
+//                           (addendum §5.1: sized by the cache, never by index_topk; 8192 at 1M)
+//   compressed row c:       cmp_kv[cmp_block_table[b, c/P]*P + c%P], P = cmp_page (128; prefix
+//                           caching: 1 HCA, 32 CSA)
 // Per head and block (§8.2): s = scale*(q·K) (invalid → MASK_NEG), m = max s, e = exp(s-m)
 // (0 for invalid), l = Σe, o = Σ bf16(e)·K; merge (§8.3), den = l + exp(sink - m), out = o/den
 // (0 if the token has no valid column); o_packed[g*T+t, hh*512 ...] = [bf16(out[:448]),
@@ -29,19 +31,19 @@
 
 namespace tiledecode::golden {
 
-// Same argument order as kernels::sparse_attention (minus the context and workspace).
+// Same argument order as kernels::sparse_attention (minus the context and workspace). cmp_page:
+// compressed rows per table column (0 = cfg.page; 1 HCA / 32 CSA in the prefix-caching layout).
 // Out-of-range window indices (>= kv_cache rows) and table entries (>= pool blocks) throw.
-inline void sparse_attention(const ModelConfig& cfg, LayerKind kind, View<bf16, 2> o_packed,
-                             ConstView<bf16, 3> q, ConstView<bf16, 2> kv_cache,
-                             ConstView<bf16, 2> cmp_kv, ConstView<std::int32_t, 2> window_idx,
-                             ConstView<std::int32_t, 1> window_lens,
-                             ConstView<std::int32_t, 2> topk_idxs,
-                             ConstView<std::int32_t, 2> cmp_block_table,
-                             ConstView<std::int32_t, 1> positions,
-                             ConstView<std::int32_t, 1> kv_seq_lens, int seq,
-                             ConstView<float, 1> attn_sink, const RopeTableView& rope) {
+inline void sparse_attention(
+    const ModelConfig& cfg, LayerKind kind, View<bf16, 2> o_packed, ConstView<bf16, 3> q,
+    ConstView<bf16, 2> kv_cache, ConstView<bf16, 2> cmp_kv, ConstView<std::int32_t, 2> window_idx,
+    ConstView<std::int32_t, 1> window_lens, ConstView<std::int32_t, 2> topk_idxs,
+    ConstView<std::int32_t, 2> cmp_block_table, ConstView<std::int32_t, 1> positions,
+    ConstView<std::int32_t, 1> kv_seq_lens, int seq, ConstView<float, 1> attn_sink,
+    const RopeTableView& rope, index_t cmp_page = 0) {
   constexpr std::string_view where = "golden::sparse_attention";
-  const index_t T = q.extent(0), H = cfg.n_heads, D = cfg.head_dim, page = cfg.page;
+  const index_t T = q.extent(0), H = cfg.n_heads, D = cfg.head_dim;
+  const index_t page = cmp_page > 0 ? cmp_page : index_t(cfg.page);
   check_equal(where, "q.extent(1)", q.extent(1), H);
   check_equal(where, "q.extent(2)", q.extent(2), D);
   check_range(where, "seq", seq, 1, 1 << 10);

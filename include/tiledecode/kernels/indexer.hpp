@@ -177,6 +177,11 @@ struct IndexerQueryArgs {
   const IndexerQueryWeights* wq = nullptr;
   ConstView<std::int32_t, 1> rope_pos;  // (T)
   RopeTableView rope;
+  // Validate rope_pos's values (caller inputs). A decode step skips it: it fills rope_pos itself
+  // when the kernel runs (rules::indexer_query_rope_position of positions it validated), so at
+  // validation the buffer holds the previous step's values; the step checks the derived
+  // positions against the table instead (decode/step.hpp, validate_plan).
+  bool check_rope_pos = true;
   index_t tokens() const { return qr.extent(0); }
 };
 
@@ -186,8 +191,20 @@ inline void validate(const IndexerQueryArgs& a) {
   detail::check_indexer_config(where, cfg);
   check_view(where, "qr", a.qr);
   const index_t T = a.qr.extent(0), K = cfg.q_lora, H = cfg.idx_n_heads;
+  if (a.wq == nullptr) throw_arg(where, "wq", "nullptr", "the indexer query weights");
   check_equal(where, "wq.q_lora", a.wq->q_lora, cfg.q_lora);
   check_equal(where, "wq.n_heads", a.wq->n_heads, cfg.idx_n_heads);
+  const index_t N = H * kIndexerHeadDim;
+  if (a.wq->packed()) {  // the CPU layout (pack_indexer_query_weights checked the shapes)
+    check_equal<index_t>(where, "wq.wq_b.size()", index_t(a.wq->wq_b.size()), K * N);
+    check_equal<index_t>(where, "wq.wq_b_scale.size()", index_t(a.wq->wq_b_scale.size()), N);
+    check_equal<index_t>(where, "wq.hadamard.size()", index_t(a.wq->hadamard.size()),
+                         kIndexerHeadDim * kIndexerHeadDim);
+  } else {  // plain views (the a2a3 model reads them): every extent, data and inner stride
+    check_rows(where, "wq.wq_b", a.wq->wq_b_view, {K, N});
+    check_rows(where, "wq.wq_b_scale", a.wq->wq_b_scale_view, {N});
+    check_rows(where, "wq.hadamard", a.wq->hadamard_view, {kIndexerHeadDim, kIndexerHeadDim});
+  }
   check_rows(where, "qr", a.qr, {T, K});
   check_extents(where, "qr_scale", a.qr_scale, {T});
   check_extents(where, "rope_pos", a.rope_pos, {T});
@@ -196,7 +213,7 @@ inline void validate(const IndexerQueryArgs& a) {
   check_rope_table(where, a.rope);
   check_equal<index_t>(where, "rope.cos.extent(1)", a.rope.cos.extent(1), 64);
   check_equal<index_t>(where, "rope.sin.extent(1)", a.rope.sin.extent(1), 64);
-  for (index_t t = 0; t < T; ++t) {
+  for (index_t t = 0; t < T && a.check_rope_pos; ++t) {
     if (a.rope_pos(t) < 0 || a.rope_pos(t) >= a.rope.length())
       check_range<index_t>(where, nth_name("rope_pos", t), a.rope_pos(t), 0, a.rope.length());
   }
@@ -245,12 +262,16 @@ struct IndexerScoreArgs {
   ConstView<std::int8_t, 3> q_i8;              // (T, heads, 128)
   ConstView<float, 2> q_sc;                    // (T, heads) > 0
   ConstView<float, 2> w;                       // (T, heads)
-  ConstView<std::int8_t, 2> idx_kv_cache;      // (blocks*128, 128)
-  ConstView<float, 1> idx_kv_scale;            // (blocks*128)
+  ConstView<std::int8_t, 2> idx_kv_cache;      // (blocks*page, 128)
+  ConstView<float, 1> idx_kv_scale;            // (blocks*page)
   ConstView<std::int32_t, 2> idx_block_table;  // (>= B, cols)
   ConstView<std::int32_t, 1> positions;        // (T)
   ConstView<std::int32_t, 1> kv_seq_lens;      // (B)
   int seq = 2;
+  // Index rows per table column (page): cfg.page (base and device-ring layouts) or cfg.page / 4
+  // (prefix caching, addendum §3: 32 rows); a multiple of 16. 0 = cfg.page.
+  index_t page = 0;
+  index_t page_rows() const { return page > 0 ? page : index_t(cfg->page); }
   // Validate q_sc's values (caller inputs). A decode step skips it: its q_sc are Q8 scales it
   // produced itself (> 0 by construction; a non-finite one propagates, top-k handles NaN).
   bool check_q_scales = true;
@@ -265,7 +286,10 @@ inline void validate(const IndexerScoreArgs& a) {
   const ModelConfig& cfg = *a.cfg;
   detail::check_indexer_config(where, cfg);
   const index_t B = detail::check_indexer_metadata(where, cfg, a.positions, a.kv_seq_lens, a.seq);
-  const index_t T = a.positions.extent(0), H = cfg.idx_n_heads, page = cfg.page;
+  const index_t T = a.positions.extent(0), H = cfg.idx_n_heads, page = a.page_rows();
+  // 16-row key blocks never straddle a page (the score reads a block's rows contiguously).
+  if (page < 16 || page > cfg.page || cfg.page % page != 0 || page % 16 != 0)
+    throw_arg(where, "page", page, "a multiple of 16 dividing cfg.page (index rows per column)");
   check_rows(where, "score", a.score, {T, cfg.score_len()});
   check_rows(where, "q_i8", a.q_i8, {T, H, kIndexerHeadDim});
   check_extents(where, "q_sc", a.q_sc, {T, H});
@@ -273,7 +297,8 @@ inline void validate(const IndexerScoreArgs& a) {
   check_rows(where, "idx_kv_cache", a.idx_kv_cache, {-1, kIndexerHeadDim});
   const index_t rows = a.idx_kv_cache.extent(0);
   if (rows < page || rows % page != 0) {
-    throw_arg(where, "idx_kv_cache.extent(0)", rows, "a positive multiple of 128 (pool rows)");
+    throw_arg(where, "idx_kv_cache.extent(0)", rows,
+              "a positive multiple of the page (" + std::to_string(page) + " rows)");
   }
   const index_t blocks = rows / page;
   check_extents(where, "idx_kv_scale", a.idx_kv_scale, {rows});
@@ -311,7 +336,8 @@ inline void validate(const IndexerScoreArgs& a) {
 }
 
 // One work item of the score: token t, visible rows vis, its pages first, first + step, ... <
-// last (page = 128 index rows; the backend chooses the split of a token's pages over items).
+// last (page = a.page_rows() index rows; the backend chooses the split of a token's pages over
+// items).
 struct ScoreItem {
   index_t t = 0;
   index_t vis = 0;
@@ -326,7 +352,7 @@ void indexer_score_program(const B& be, const IndexerScoreArgs& a) {
   Ops::for_items(be, a, [&](auto& lane, const ScoreItem& it) {
     Ops::begin_item(lane, a, it);  // coef = q_sc · w, the token's query operands
     for (index_t p = it.first; p < it.last; p += it.step)
-      Ops::score_page(lane, a, it, p);  // score[t, 128p ..] through idx_block_table[b, p]
+      Ops::score_page(lane, a, it, p);  // score[t, page·p ..] through idx_block_table[b, p]
     Ops::end_item(lane, a, it);         // pipeline drain; NEG_BIG over the item's columns >= vis
   });
 }

@@ -91,7 +91,7 @@ inline SparseAttentionArgs sparse_attention_args(
     ConstView<std::int32_t, 1> window_lens, ConstView<std::int32_t, 2> topk_idxs,
     ConstView<std::int32_t, 2> cmp_block_table, ConstView<std::int32_t, 1> positions,
     ConstView<std::int32_t, 1> kv_seq_lens, int seq, ConstView<float, 1> attn_sink,
-    const RopeTableView& rope) {
+    const RopeTableView& rope, index_t cmp_page = 0) {
   SparseAttentionArgs a;
   a.cfg = &cfg;
   a.kind = kind;
@@ -104,6 +104,7 @@ inline SparseAttentionArgs sparse_attention_args(
   a.cols.window_lens = window_lens;
   a.cols.topk = topk_idxs;
   a.cols.cmp_block_table = cmp_block_table;
+  if (cmp_page > 0) a.cols.page = int(cmp_page);
   a.cols.positions = positions;
   a.cols.kv_seq_lens = kv_seq_lens;
   a.attn_sink = attn_sink;
@@ -157,9 +158,13 @@ inline void validate(const SparseAttentionArgs& a) {
   check_finite(where, "attn_sink", a.attn_sink);
   if (a.kind != LayerKind::swa) {
     check_rows(where, "cmp_kv", a.cmp_kv, {-1, D});
-    if (a.cmp_kv.extent(0) % cfg.page != 0)
-      throw_arg(where, "cmp_kv.extent(0)", a.cmp_kv.extent(0), "a multiple of the page (128)");
-    const index_t cmp_blocks = a.cmp_kv.extent(0) / cfg.page;
+    const index_t page = a.cols.page;
+    if (page < 1 || page > cfg.page || cfg.page % page != 0)
+      throw_arg(where, "cols.page", page, "a divisor of cfg.page (compressed rows per column)");
+    if (a.cmp_kv.extent(0) < page || a.cmp_kv.extent(0) % page != 0)
+      throw_arg(where, "cmp_kv.extent(0)", a.cmp_kv.extent(0),
+                "a positive multiple of the page (" + std::to_string(page) + " rows)");
+    const index_t cmp_blocks = a.cmp_kv.extent(0) / page;
     check_view(where, "cmp_block_table", a.cols.cmp_block_table);
     if (a.cols.cmp_block_table.extent(0) < B)
       check_at_least(where, "cmp_block_table.extent(0)", a.cols.cmp_block_table.extent(0), B);

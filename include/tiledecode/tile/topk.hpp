@@ -12,34 +12,44 @@
 //
 // Algorithm: a radix threshold select, linear in the row, then a sort of the n winners only
 // (never of the row). At CSA's 1M context a row has 262,144 candidates and k = 512 / 1024.
-//   key      scores map to order-preserving u32 keys (a > b <=> key(a) > key(b); -0 -> +0);
-//            NaN -> 0, a value no number maps to (-inf is 0x007fffff), so NaN sits alone in the
-//            lowest digit bucket and the histogram's bucket 0 counts the row's NaNs.
-//   digits   11 + 11 + 10 bits (levels 0, 1, 2: bits 31..21, 20..10, 9..0), 2048 counters.
-//   select   level 0 histograms the whole row; walking the buckets from the top finds the one
-//            holding the n-th largest key: keys above it win, keys in it are candidates.
-//            While that bucket holds more than kTopkCandidates keys, one more histogram pass
-//            over the row (counting only the bucket's keys) splits it by the next digit. Then
-//            one collect pass in column order writes the winners' columns to dst and copies the
-//            bucket's (key, column) pairs to a stack buffer, where the remaining digits are
-//            resolved in memory (histogram + stable compaction per level). A bucket that is a
-//            single key value needs no buffer: its first `need` columns win (the tie rule).
-//            Typical rows: 2 passes over the row (histogram, collect); at most 4 (all-equal or
-//            adversarial rows: 3 histograms, collect). Rows of <= kTopkCandidates columns skip
-//            the row histogram: one pass loads them into the buffer.
+//   key      scores map to order-preserving u32 keys (a > b <=> key(a) > key(b); -0 -> +0),
+//            branch-free integer ops; NaN -> 0, a value no number maps to (-inf's key is
+//            0x00800000), so the lowest level-0 bucket holds exactly the row's NaNs.
+//   digits   11 + 11 + 10 bits (levels 0, 1, 2: key bits 31..21, 20..10, 9..0), 2048 counters.
+//   select   level 0 histograms the whole row (keys of 512 scores at a time into a stack chunk,
+//            four counter sets so equal keys do not serialise on one counter); walking the
+//            buckets from the top finds the one holding the n-th largest key: keys above it
+//            win, keys in it are candidates. While that bucket holds more than kTopkCandidates
+//            keys, one more histogram pass over the row (counting only the bucket's keys, four
+//            counter sets again) splits it by the next digit; a bucket found to hold one key
+//            value stops the splitting. Then one collect pass in column order writes the
+//            winners' columns to dst and copies the bucket's (key, column) pairs to a stack
+//            buffer, where the remaining digits are resolved in memory (histogram + stable
+//            compaction per level). A bucket of one key value needs no buffer: its first
+//            `need` columns win (the tie rule). The collect pass stops once every winner and
+//            candidate is found. The filter passes test 16 keys at once (vectorised compares)
+//            and look at single keys only in groups holding a key >= the bucket's low end.
+//            Passes over the row: 2 for score-like rows (histogram, collect), 3 when the
+//            threshold is a big tie (all-equal rows, a few distinct values), at most 4. Rows
+//            of <= kTopkShortRow columns skip the row histogram: one pass loads them into the
+//            buffer and every digit is resolved there.
 //   sort     the n winners by (key desc, column asc): a stable LSD radix sort (8-bit digits,
 //            uniform digits skipped) of the winners collected in column order, ties keep
 //            ascending column. n > kTopkSortMax (only when k > 2048): an in-place comparison
 //            sort of the n winners in dst (same order) instead; still no allocation.
-// Bounds: no allocation; ~48 KB of stack per call (2048 u32 counters, 4096 candidate pairs,
-// 2048 winner keys; the candidate buffer doubles as the sort's scratch). k has no bound of its
-// own (dst holds the winners' columns); column ids and counts are int32 / u32, so a row holds
-// at most INT32_MAX columns (kTopkMaxColumns, the callers' `offset + N <= INT32_MAX` check).
-// The scalar code is portable C++ (no intrinsics); the hot loops are branch-light compares.
+// Bounds: no allocation; ~51 KB of stack per call (2048 u32 counters, 4096 candidate pairs that
+// double as the histogram passes' extra counter sets and the sort's scratch, 2048 winner keys, a
+// 512-key chunk). k has no bound of its own (dst holds the winners' columns; k > 2048 takes the
+// comparison sort); column ids are int32 and counts u32, so a row holds at most INT32_MAX
+// columns (kTopkMaxColumns): the callers' `offset + N <= INT32_MAX` check (kernels::topk_rows,
+// kernels::indexer_topk) rejects wider rows at validation.
+// Portable C++ (no intrinsics): the key and filter loops vectorise with baseline SSE2 / NEON; the
+// first pass is bound by its counter scatter, so there is no AVX2 variant (none was measured).
 
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <string>
@@ -50,20 +60,58 @@
 namespace tiledecode::tile {
 
 namespace detail {
-// Order-preserving key of a non-NaN float: a > b  <=>  key(a) > key(b); -0 and +0 share a key.
+// Order-preserving key of a non-NaN float: a > b  <=>  key(a) > key(b); -0 and +0 share a key:
+// 2^31 + |x|'s bits for x >= 0, 2^31 - |x|'s bits for x < 0 (-inf -> 0x00800000, +inf ->
+// 0xff800000). Integer-only and branch-free, so the chunk loops below vectorise (SSE2 / NEON).
+inline std::uint32_t topk_key_bits(std::uint32_t u) {
+  const std::uint32_t mag = u & 0x7fffffffu;
+  const auto neg = std::uint32_t(std::int32_t(u) >> 31);  // all ones for a negative sign
+  return 0x80000000u + ((mag ^ neg) - neg);
+}
 inline std::uint32_t topk_key(float x) {
-  const std::uint32_t u = x == 0.0f ? 0u : std::bit_cast<std::uint32_t>(x);
-  return u ^ (std::uint32_t(std::int32_t(u) >> 31) | 0x80000000u);
+  return topk_key_bits(std::bit_cast<std::uint32_t>(x));
 }
 
-// Key of a score, 0 for NaN (no float maps to 0: it would be the NaN pattern 0xffffffff).
+// Key of a score, 0 for NaN (no number maps to 0: the smallest key, -inf's, is 0x00800000).
+inline std::uint32_t topk_key_or_nan_bits(std::uint32_t u) {
+  const std::uint32_t key = topk_key_bits(u);
+  return std::int32_t(u & 0x7fffffffu) > 0x7f800000 ? 0u : key;
+}
 inline std::uint32_t topk_key_or_nan(float x) {
-  const std::uint32_t key = topk_key(x);
-  return x == x ? key : 0u;
+  return topk_key_or_nan_bits(std::bit_cast<std::uint32_t>(x));
+}
+
+// The row is read in chunks: keys of kTopkChunk scores at a time into a stack buffer (one
+// vectorisable loop), then the chunk's keys are counted or filtered. Filters test groups of
+// kTopkGroup keys at once (an OR of compares, vectorised) and visit a group key by key only when
+// one of its keys can matter (>= the threshold bucket's low end): rare on real rows.
+inline constexpr std::int64_t kTopkChunk = 512;
+inline constexpr std::int64_t kTopkGroup = 16;
+inline void topk_chunk_keys(std::uint32_t* out, const float* s, std::int64_t m) {
+  std::memcpy(out, s, sizeof(float) * std::size_t(m));
+  for (std::int64_t i = 0; i < m; ++i) out[i] = topk_key_or_nan_bits(out[i]);
+}
+// Whether any of kb[0, kTopkGroup) is >= lo.
+inline bool topk_group_any_ge(const std::uint32_t* kb, std::uint32_t lo) {
+  std::uint32_t any = 0;
+  for (std::int64_t i = 0; i < kTopkGroup; ++i) any |= std::uint32_t(kb[i] >= lo);
+  return any != 0;
+}
+// The positions i in [0, m) with kb[i] in [lo, lo + span], in order, without a branch per key
+// (a tie-heavy row would mispredict it); returns their count.
+inline int topk_group_select(std::uint8_t* pos, const std::uint32_t* kb, std::int64_t m,
+                             std::uint32_t lo, std::uint32_t span) {
+  int c = 0;
+  for (std::int64_t i = 0; i < m; ++i) {
+    pos[c] = std::uint8_t(i);
+    c += int(kb[i] - lo <= span);
+  }
+  return c;
 }
 
 inline constexpr std::int64_t kTopkBins = 2048;        // counters of one histogram (11 bits)
 inline constexpr std::int64_t kTopkCandidates = 4096;  // (key, column) pairs on the stack
+inline constexpr std::int64_t kTopkShortRow = 1024;    // rows resolved in memory (<= candidates)
 inline constexpr std::int64_t kTopkSortMax = 2048;     // winners radix-sorted on the stack
 inline constexpr std::int64_t kTopkMaxColumns = std::numeric_limits<std::int32_t>::max();
 inline constexpr int kTopkLevels = 3;
@@ -170,14 +218,18 @@ inline void topk_row(std::span<std::int32_t> dst, std::span<const float> score, 
   if (k <= 0 || n_cols == 0) return;
   const float* s = score.data();
 
+  // Stack: 8 KB counters, 32 KB candidate pairs (also the histogram passes' three extra counter
+  // sets and the winners' sort scratch), 8 KB winner keys, 2 KB chunk keys.
   std::uint32_t hist[kTopkBins];
-  std::uint32_t ck[kTopkCandidates];  // candidates; the winners' sort scratch afterwards
-  std::int32_t cc[kTopkCandidates];
+  std::uint32_t work[2 * kTopkCandidates];
+  std::uint32_t* const ck = work;
+  auto* const cc = reinterpret_cast<std::int32_t*>(work + kTopkCandidates);  // same-size int
   std::uint32_t wk[kTopkSortMax];
+  alignas(64) std::uint32_t kb[kTopkChunk];
   TopkWinners w{dst.data(), nullptr};
   std::int64_t n = 0;
 
-  if (n_cols <= kTopkCandidates) {
+  if (n_cols <= kTopkShortRow) {
     // Short row: every non-NaN column is a candidate; resolve all digits in memory.
     std::int64_t c = 0;
     for (std::int64_t j = 0; j < n_cols; ++j) {
@@ -191,9 +243,28 @@ inline void topk_row(std::span<std::int32_t> dst, std::span<const float> score, 
     if (n <= kTopkSortMax) w.keys = wk;
     topk_resolve_candidates(ck, cc, c, n, 0, hist, w);
   } else {
-    // Level 0 over the whole row; bucket 0 holds exactly the NaNs.
-    std::fill(hist, hist + kTopkBins, 0u);
-    for (std::int64_t j = 0; j < n_cols; ++j) ++hist[topk_key_or_nan(s[j]) >> kTopkShift[0]];
+    // Level 0 over the whole row, four counter sets (equal keys in a row do not serialise on
+    // one counter); bucket 0 holds exactly the NaNs.
+    {
+      std::uint32_t* const h1 = work;
+      std::uint32_t* const h2 = work + kTopkBins;
+      std::uint32_t* const h3 = work + 2 * kTopkBins;
+      std::fill(hist, hist + kTopkBins, 0u);
+      std::fill(work, work + 3 * kTopkBins, 0u);
+      for (std::int64_t j0 = 0; j0 < n_cols; j0 += kTopkChunk) {
+        const std::int64_t m = std::min(kTopkChunk, n_cols - j0);
+        topk_chunk_keys(kb, s + j0, m);
+        std::int64_t i = 0;
+        for (; i + 4 <= m; i += 4) {
+          ++hist[kb[i] >> kTopkShift[0]];
+          ++h1[kb[i + 1] >> kTopkShift[0]];
+          ++h2[kb[i + 2] >> kTopkShift[0]];
+          ++h3[kb[i + 3] >> kTopkShift[0]];
+        }
+        for (; i < m; ++i) ++hist[kb[i] >> kTopkShift[0]];
+      }
+      for (std::int64_t d = 0; d < kTopkBins; ++d) hist[d] += h1[d] + h2[d] + h3[d];
+    }
     n = std::min<std::int64_t>(k, n_cols - std::int64_t(hist[0]));
     if (n == 0) return;
     if (n <= kTopkSortMax) w.keys = wk;
@@ -208,10 +279,30 @@ inline void topk_row(std::span<std::int32_t> dst, std::span<const float> score, 
     while (bucket > kTopkCandidates && need < bucket && level < kTopkLevels) {
       const int sh = kTopkShift[level];
       const std::uint32_t mask = kTopkMask[level];
-      std::fill(hist, hist + mask + 1, 0u);
-      for (std::int64_t j = 0; j < n_cols; ++j) {
-        const std::uint32_t key = topk_key_or_nan(s[j]);
-        if (key - lo <= hi - lo) ++hist[(key >> sh) & mask];
+      std::uint32_t* const hs[4] = {hist, work, work + kTopkBins, work + 2 * kTopkBins};
+      for (std::uint32_t* h : hs) std::fill(h, h + mask + 1, 0u);
+      std::uint32_t kmin = ~0u, kmax = 0u;  // the bucket's key range
+      for (std::int64_t j0 = 0; j0 < n_cols; j0 += kTopkChunk) {
+        const std::int64_t m = std::min(kTopkChunk, n_cols - j0);
+        topk_chunk_keys(kb, s + j0, m);
+        for (std::int64_t g = 0; g < m; g += kTopkGroup) {
+          const std::int64_t gm = std::min(kTopkGroup, m - g);
+          if (gm == kTopkGroup && !topk_group_any_ge(kb + g, lo)) continue;
+          std::uint8_t pos[kTopkGroup];
+          const int np = topk_group_select(pos, kb + g, gm, lo, hi - lo);
+          for (int p = 0; p < np; ++p) {
+            const std::uint32_t key = kb[g + pos[p]];
+            ++hs[p & 3][(key >> sh) & mask];
+            kmin = std::min(kmin, key);
+            kmax = std::max(kmax, key);
+          }
+        }
+      }
+      for (std::uint32_t dg = 0; dg <= mask; ++dg) hist[dg] += hs[1][dg] + hs[2][dg] + hs[3][dg];
+      if (kmin == kmax) {  // one key value: the rest of its digits are known
+        lo = hi = kmin;
+        level = kTopkLevels;
+        break;
       }
       d = topk_pick_digit(hist, mask, need);
       bucket = hist[d];
@@ -226,21 +317,31 @@ inline void topk_row(std::span<std::int32_t> dst, std::span<const float> score, 
     }
     // Collect in column order. A single-value bucket (lo == hi) needs no buffer: its first
     // `need` columns win; otherwise the bucket (<= kTopkCandidates keys) goes to the buffer.
+    // Keys below lo never matter (whole bucket: lo = hi + 1). The pass stops once every winner
+    // and candidate is found (a big tie at the top of the row: after its first `need` columns).
+    const bool single = lo == hi;
+    const std::int64_t want_w = single ? n : n - need, want_c = single || need == 0 ? 0 : bucket;
     std::int64_t c = 0;
-    if (lo == hi) {
-      for (std::int64_t j = 0; j < n_cols; ++j) {
-        const std::uint32_t key = topk_key_or_nan(s[j]);
-        if (key > hi || (key == hi && need-- > 0)) w.push(key, std::int32_t(j));
-      }
-    } else {
-      for (std::int64_t j = 0; j < n_cols; ++j) {
-        const std::uint32_t key = topk_key_or_nan(s[j]);
-        if (key > hi) {
-          w.push(key, std::int32_t(j));
-        } else if (key >= lo) {
-          ck[c] = key;
-          cc[c] = std::int32_t(j);
-          ++c;
+    for (std::int64_t j0 = 0; j0 < n_cols && (w.m < want_w || c < want_c); j0 += kTopkChunk) {
+      const std::int64_t m = std::min(kTopkChunk, n_cols - j0);
+      topk_chunk_keys(kb, s + j0, m);
+      for (std::int64_t g = 0; g < m; g += kTopkGroup) {
+        const std::int64_t gm = std::min(kTopkGroup, m - g);
+        if (gm == kTopkGroup && !topk_group_any_ge(kb + g, lo)) continue;
+        std::uint8_t pos[kTopkGroup];
+        const int np = topk_group_select(pos, kb + g, gm, lo, ~lo);  // the keys >= lo
+        for (int p = 0; p < np; ++p) {
+          const std::uint32_t key = kb[g + pos[p]];
+          const auto col = std::int32_t(j0 + g + pos[p]);
+          if (key > hi) {
+            w.push(key, col);
+          } else if (single) {
+            if (need-- > 0) w.push(key, col);
+          } else {
+            ck[c] = key;
+            cc[c] = col;
+            ++c;
+          }
         }
       }
     }
@@ -252,8 +353,8 @@ inline void topk_row(std::span<std::int32_t> dst, std::span<const float> score, 
     topk_sort_winners(wk, dst.data(), n, ck, cc);
   } else {
     std::sort(dst.begin(), dst.begin() + n, [&](std::int32_t a, std::int32_t b) {
-      const std::uint32_t ka = topk_key(s[a]), kb = topk_key(s[b]);
-      return ka != kb ? ka > kb : a < b;
+      const std::uint32_t key_a = topk_key(s[a]), key_b = topk_key(s[b]);
+      return key_a != key_b ? key_a > key_b : a < b;
     });
   }
   for (std::int64_t i = 0; i < n; ++i) dst[std::size_t(i)] += offset;

@@ -254,6 +254,12 @@ struct backend_ops_indexer_score {
     if (a.cfg->score_len() % kIdxPage != 0)
       throw_arg("a2a3 indexer_score", "cfg.score_len()", a.cfg->score_len(),
                 "a multiple of the 128-row page");
+    // The score tiles whole 128-row index pages (one DataCopy per page); the prefix-caching
+    // layout's 32-row pages would need four gathers per tile, not modelled.
+    if (a.page_rows() != kIdxPage)
+      throw_arg(
+          "a2a3 indexer_score", "page", a.page_rows(),
+          "128 (index rows per table column; prefix caching's 32-row pages are not modelled)");
   }
 
   // The vector epilogue's buffers of one AIV (spec §7.4): INT32 -> FP32, ReLU, x coef per head

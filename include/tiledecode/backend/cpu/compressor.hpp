@@ -77,7 +77,7 @@ inline void pool_channels_scalar(float* pooled, const float* const* kv, const fl
       }
       m = m_new;
     }
-    pooled[c] = l > 0.0f ? acc / l : 0.0f;
+    pooled[c] = acc / l;  // l = 0 only if every score is -Inf: 0 / 0 = NaN (the policy)
   }
 }
 

@@ -39,12 +39,14 @@ namespace tiledecode::cpu::avx2 {
 // e^x for 8 floats, ~2 ulp over the range the pooling uses (x <= 0). Cody–Waite reduction
 // x = n·ln2 + r with |r| <= ln2/2, a degree-6 polynomial for e^r, 2^n assembled in the exponent
 // field. Inputs below ln(FLT_MIN) return 0 (the softmax weight of a masked candidate; no
-// denormals), inputs above 88 saturate at e^88.
+// denormals), inputs above 88 saturate at e^88. NaN in, NaN out, like std::exp: min/max_ps return
+// their second operand when either is NaN, so the clamps keep x, and the exponent field built from
+// cvtps(NaN) = INT_MIN is a finite scale (see sparse_attention_avx2.hpp's exp_nonpositive).
 TILEDECODE_TARGET_AVX2 inline __m256 exp_ps(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.33654475f);
   const __m256 hi = _mm256_set1_ps(88.0f);
   const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -75,8 +77,12 @@ TILEDECODE_TARGET_AVX2 inline void compressor_project_rows(float* out, index_t l
 
 // pooled[c] = Σ_j e^{s_j[c] - m} kv_j[c] / Σ_j e^{s_j[c] - m} for c in [c0, c1) ((c1-c0) % 8 == 0),
 // candidate j read at kv[j][c] and score[j][c]. Online softmax over chunks of
-// kCompressorPoolChunk candidates: one running max per channel seeded with kNegBig (so a window
-// of only masked candidates pools to 0 instead of NaN), one rescale per chunk.
+// kCompressorPoolChunk candidates: one running max per channel seeded with kNegBig (a chunk of
+// -Inf scores then rescales by e^0 = 1 instead of e^(-Inf + Inf) = NaN), one rescale per chunk.
+// Non-finite inputs (docs/security.md, "Numerics policy", the scalar twin's rule): a NaN score or
+// kv, or a +Inf score (e^(Inf - Inf)), makes the channel NaN (a NaN score may drop out of the max,
+// its own e^ is NaN); a -Inf score has weight 0; a channel whose every score is -Inf pools to
+// 0 / 0 = NaN, as golden. Masked candidates score kNegBig (weight e^(kNegBig - m)), never -Inf.
 TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(float* pooled, const float* const* kv,
                                                             const float* const* score, int n_cand,
                                                             index_t c0, index_t c1) {
@@ -99,8 +105,7 @@ TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(float* pooled, const
       }
       m = m_new;
     }
-    const __m256 pos = _mm256_cmp_ps(l, _mm256_setzero_ps(), _CMP_GT_OQ);
-    _mm256_storeu_ps(pooled + c, _mm256_and_ps(pos, _mm256_div_ps(acc, l)));
+    _mm256_storeu_ps(pooled + c, _mm256_div_ps(acc, l));
   }
 }
 

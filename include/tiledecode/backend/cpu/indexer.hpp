@@ -362,7 +362,7 @@ struct backend_ops_indexer_score {
   // Tasks (token, 512-column chunk): a chunk's pages; every column is written by one task.
   template <class Body>
   static void for_items(const Cpu<I>& be, const kernels::IndexerScoreArgs& a, Body&& body) {
-    const index_t width = a.score.extent(1), page = a.cfg->page;
+    const index_t width = a.score.extent(1), page = a.page_rows();
     const index_t n_chunks = (width + kChunk - 1) / kChunk;
     be.tasks(a.tokens() * n_chunks, [&](std::int64_t task) {
       const index_t t = task / n_chunks, c0 = (task % n_chunks) * kChunk;
@@ -391,7 +391,7 @@ struct backend_ops_indexer_score {
   // The page's visible rows of the chunk in 16-row key blocks.
   static void score_page(Lane& z, const kernels::IndexerScoreArgs& a, const kernels::ScoreItem& it,
                          index_t p) {
-    const index_t page = a.cfg->page, b = it.t / a.seq;
+    const index_t page = a.page_rows(), b = it.t / a.seq;
     const int n_heads = a.cfg->idx_n_heads;
     float* out = &a.score(it.t, 0);
     const index_t j0 = std::max(z.c0, p * page);

@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <span>
 #include <string>
 
@@ -75,9 +76,9 @@ struct ScalarOps {
         st[std::int64_t(j) * lds + h] = scale * acc;
       }
   }
-  static void softmax_block(float* st, int lds, int nh, int nc, float* mb, float* lb) {
+  static void softmax_block(float* st, int lds, int nh, int nc, float floor, float* mb, float* lb) {
     for (int h = 0; h < nh; ++h) {
-      float m = st[h];
+      float m = std::max(floor, st[h]);
       for (int j = 1; j < nc; ++j) m = std::max(m, st[std::int64_t(j) * lds + h]);
       float l = 0;
       for (int j = 0; j < nc; ++j) {
@@ -123,8 +124,8 @@ struct Avx2Ops {
                  int nc, int dim, float scale) {
     avx2::sa_qk(s, lds, q, ldq, nh, kf, ldk, nc, dim, scale);
   }
-  static void softmax_block(float* s, int lds, int nh, int nc, float* mb, float* lb) {
-    avx2::sa_softmax_block(s, lds, nh, nc, mb, lb);
+  static void softmax_block(float* s, int lds, int nh, int nc, float floor, float* mb, float* lb) {
+    avx2::sa_softmax_block(s, lds, nh, nc, floor, mb, lb);
   }
   static void divide_round(bf16* dst, const float* src, float den, int n) {
     avx2::sa_divide_round(dst, src, den, n);
@@ -285,8 +286,15 @@ struct backend_ops_sparse_attention {
     Ops::qk(z.s, z.L->lds, z.qt, z.L->heads, it.nh, z.kf, z.L->ldk, z.n_rows[z.cur], z.L->dim,
             scale);
   }
+  // The block maximum includes kMaskNeg when the 128-column tile has invalid columns: the spec
+  // (§8.2) scores them kMaskNeg, and this op set drops them instead of computing e^(kMaskNeg - m)
+  // = 0. Finite scores are above kMaskNeg, so this changes nothing for them; for scores that are
+  // all -Inf (or below -1e20) it gives golden's weights (0, output 0) instead of e^(-Inf + Inf).
   static void block_softmax(Lane& z, const kernels::AttentionItem& it) {
-    Ops::softmax_block(z.s, z.L->lds, it.nh, z.n_rows[z.cur], z.mb, z.lb);
+    const int n = z.n_rows[z.cur];
+    const float floor =
+        n < sparse_attention_detail::kBlock ? kMaskNeg : -std::numeric_limits<float>::infinity();
+    Ops::softmax_block(z.s, z.L->lds, it.nh, n, floor, z.mb, z.lb);
   }
   // Online merge of the block statistics (spec §8.3), fused with O = α·O + γ·(P·K).
   static void merge_block(Lane& z, const kernels::AttentionItem& it) {

@@ -26,10 +26,14 @@ namespace tiledecode::cpu::avx2 {
 // polynomial (truncation error r^8/8! < 6e-9 relative, below FP32 epsilon), times 2^n built in the
 // exponent field. x < -87 flushes to 0 (e^-87 is at the FP32 normal limit; such terms are below
 // any BF16 probability that matters against the block maximum, whose e is 1).
+// NaN in, NaN out, like std::exp (the numerics policy: a NaN score, or s - m = Inf - Inf, makes
+// the head's block sum NaN): max_ps returns its second operand when either is NaN, so the clamp
+// keeps x; NaN is not below -87 (ordered compare), n = r = p = NaN, and the exponent field
+// built from cvtps(NaN) = INT_MIN is a finite scale (1.0), so the product stays NaN.
 TILEDECODE_TARGET_AVX2 inline __m256 exp_nonpositive(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.0f);
   const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
+  x = _mm256_max_ps(lo, x);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split: exact hi part
@@ -47,7 +51,11 @@ TILEDECODE_TARGET_AVX2 inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-// Round 8 finite floats to BF16 (nearest even) and return them as floats.
+// Round 8 floats to BF16 (nearest even) and return them as floats. ±Inf stay ±Inf; a NaN stays
+// NaN when its low 16 bits are zero, which holds for every NaN of the attention pipeline (widened
+// BF16 NaNs and the default NaN 0xffc00000 of Inf - Inf or 0 · Inf, propagated unchanged), so
+// no NaN test is needed here (bf16::round_bits, which also forces the quiet bit, is the general
+// conversion).
 TILEDECODE_TARGET_AVX2 inline __m256 round_bf16_ps(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -139,12 +147,16 @@ TILEDECODE_TARGET_AVX2 inline void sa_qk(float* st, int lds, const float* qt, in
 }
 
 // Per head (column of st, nc >= 1 rows): mb[h] = max_j, lb[h] = Σ_j exp(st - mb) (FP32,
-// unrounded, summed in j order), st ← bf16(exp(st - mb)). Eight heads per vector, nh % 8 == 0.
-TILEDECODE_TARGET_AVX2 inline void sa_softmax_block(float* st, int lds, int nh, int nc, float* mb,
-                                                    float* lb) {
+// unrounded, summed in j order), st ← bf16(exp(st - mb)), mb at least `floor` (kMaskNeg for a
+// tile with invalid columns, -Inf otherwise: the scalar twin's rule). Eight heads per vector,
+// nh % 8 == 0.
+// A NaN score may drop out of mb (max_ps), but its own exp is NaN, so lb and the head's row are
+// NaN, as on the scalar tier (docs/security.md, "Numerics policy").
+TILEDECODE_TARGET_AVX2 inline void sa_softmax_block(float* st, int lds, int nh, int nc, float floor,
+                                                    float* mb, float* lb) {
   for (int h = 0; h < nh; h += 8) {
     float* col = st + h;
-    __m256 m = _mm256_load_ps(col);
+    __m256 m = _mm256_max_ps(_mm256_set1_ps(floor), _mm256_load_ps(col));
     for (int j = 1; j < nc; ++j) m = _mm256_max_ps(m, _mm256_load_ps(col + std::int64_t(j) * lds));
     __m256 sum = _mm256_setzero_ps();
     for (int j = 0; j < nc; ++j) {

@@ -77,22 +77,29 @@ TILEDECODE_TARGET_AVX2 inline __m256i dot_i8x32(__m256i acc, __m256i x, __m256i 
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
 
-// Q8 of one row of n values, n a multiple of 32 (spec §2), bit-identical to core quantize_q8:
-// amax ignores NaN like fmax, x * sq rounded half to even (MXCSR default, as nearbyint) and
-// clamped to [-127, 127]. Returns dq = 1 / (127 / amax). The scalar twin calls fmax/fmin per
-// element (library calls without -ffast-math); this is one pass for amax and one for q.
+// Q8 of one row of n values, n a multiple of 32 (spec §2), bit-identical to core quantize_q8
+// (its header states the policy for non-finite rows): amax is the integer maximum of the bit
+// patterns of |x| (the float order for non-negative values, every NaN above +Inf: a NaN in the
+// row makes amax NaN, with the same payload as the scalar twin's), x * sq rounded half to even
+// (MXCSR default, as nearbyint) and clamped to [-127, 127] (a NaN product converts to INT_MIN and
+// clamps to -127, as fmax(NaN, -127) does). Returns dq = 1 / (127 / amax). The scalar twin calls
+// fmin/fmax per element (library calls without -ffast-math); this is one pass for amax and one
+// for q.
 TILEDECODE_TARGET_AVX2 inline float quantize_q8_avx2(std::int8_t* q, const float* x,
                                                      std::int64_t n) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 m = _mm256_setzero_ps();
-  // max_ps returns its second operand when either is NaN: keep the running max second.
-  for (std::int64_t d = 0; d < n; d += 8)
-    m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + d), abs_mask), m);
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  float amax = _mm_cvtss_f32(m4);
-  amax = amax > 1e-4f ? amax : 1e-4f;
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  __m256i m0 = _mm256_setzero_si256(), m1 = m0;  // two chains (n % 32 == 0)
+  for (std::int64_t d = 0; d < n; d += 16) {
+    const __m256i* p = reinterpret_cast<const __m256i*>(x + d);
+    m0 = _mm256_max_epi32(m0, _mm256_and_si256(_mm256_loadu_si256(p), abs_mask));
+    m1 = _mm256_max_epi32(m1, _mm256_and_si256(_mm256_loadu_si256(p + 1), abs_mask));
+  }
+  const __m256i m = _mm256_max_epi32(m0, m1);
+  __m128i m4 = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0x4e));
+  m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0xb1));
+  float amax = _mm_cvtss_f32(_mm_castsi128_ps(m4));
+  amax = amax < 1e-4f ? 1e-4f : amax;  // NaN stays NaN
   const float sq = 127.0f / amax;
   const __m256 sv = _mm256_set1_ps(sq);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
