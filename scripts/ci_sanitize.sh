@@ -28,7 +28,7 @@ TSAN_BUILD_DIR="${TSAN_BUILD_DIR:-$ROOT/build-tsan}"
 # Full-width whole-layer cases take minutes each under ASan + checked views; the sanitizer pass
 # covers the layer composition with the narrow-model cases instead (same paging, smaller widths).
 SAN_HEAVY="DecodeStep.ConsecutiveMtp*:DecodeStep.ThreeHundred*:DecodeStep.NoHeapAllocation*"
-SAN_HEAVY+=":LayerStep.*:Determinism.WholeLayerStep*:A2a3Layer.*:LongContext.*"
+SAN_HEAVY+=":LayerStep.*:Determinism.WholeLayerStep*:A2a3Layer.*:LongContext.long_context_???_*"
 SAN_HEAVY+=":batch_invariant.*FullFlash*"
 SAN_GTEST_FILTER="${SAN_GTEST_FILTER:--*Slow*:*Exhaustive*:$SAN_HEAVY}"
 SAN_SHARDS="${SAN_SHARDS:-4}"
