@@ -3,6 +3,9 @@
 # docs/performance.md and docs/img/*.png.
 #
 #   scripts/peer_compare.sh [--quick] [other peer_compare arguments...]
+#   scripts/peer_compare.sh --long-context   # the 1k -> 1M context sweep: writes
+#                                            # docs/performance_long_context.md and
+#                                            # docs/img/time_vs_context_1m.png instead
 #
 # Installs what is missing (Debian: libtorch-dev, libopenblas0-pthread, python3-matplotlib),
 # makes sure libblas.so.3 — the BLAS ATen's sgemm_ calls on Debian, chosen through
@@ -14,7 +17,15 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 PEER_BUILD_DIR="${PEER_BUILD_DIR:-$ROOT/build-peer}"
-OUT_JSON="${OUT_JSON:-$PEER_BUILD_DIR/peer_compare.json}"
+long_context=0
+for arg in "$@"; do [ "$arg" = --long-context ] && long_context=1; done
+if [ "$long_context" = 1 ]; then
+  OUT_JSON="${OUT_JSON:-$PEER_BUILD_DIR/peer_compare_long_context.json}"
+  NOTES="${NOTES:-$ROOT/bench/peer/notes_long_context.md}"
+else
+  OUT_JSON="${OUT_JSON:-$PEER_BUILD_DIR/peer_compare.json}"
+  NOTES="${NOTES:-$ROOT/bench/peer/notes.md}"
+fi
 DOCS_DIR="${DOCS_DIR:-$ROOT/docs}"
 
 install_missing_packages libtorch-dev libopenblas0-pthread python3-matplotlib
@@ -54,9 +65,9 @@ export GOMP_SPINCOUNT="${GOMP_SPINCOUNT:-10000}"
 # 16 KB stride, a TLB miss per row. An engine gets huge pages from THP=always or its allocator;
 # TileDecode's own buffers of 2 MiB and more request them (Buffer).
 export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}"
-"$PEER_BUILD_DIR/bench/peer/peer_compare" --json "$OUT_JSON" "$@" | tee "$PEER_BUILD_DIR/peer_compare.log"
+"$PEER_BUILD_DIR/bench/peer/peer_compare" --json "$OUT_JSON" "$@" | tee "${OUT_JSON%.json}.log"
 
 notes=()
-[ -f "$ROOT/bench/peer/notes.md" ] && notes=(--notes "$ROOT/bench/peer/notes.md")
+[ -f "$NOTES" ] && notes=(--notes "$NOTES")
 /usr/bin/python3 "$ROOT/bench/report" "$OUT_JSON" --out "$DOCS_DIR" --lscpu "$PEER_BUILD_DIR/lscpu.txt" \
   --command "scripts/peer_compare.sh $*" "${notes[@]}"

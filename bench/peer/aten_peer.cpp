@@ -165,11 +165,15 @@ void attention_core(AT& out, const td::ModelConfig& cfg, int ratio, const AT& q,
       raw = topk.narrow(1, 0, cfg.idx_topk);
       cvalid = (raw >= 0) & (raw < (pos + 1).div(4, "floor").unsqueeze(1)) & (raw < table_rows);
     } else {
+      // Rows 0..n-1 of each token (addendum §5.2), computed over the step's longest n (one
+      // host sync, as the indexer's vmax): with max_seq_len = 2^20 the capacity is 8192 rows,
+      // and gathering all of them at a 16k context would charge the peer 64x the work.
       const int64_t cap = cfg.hca_capacity();
-      raw = at::arange(cap, at::kLong).unsqueeze(0).expand({T, cap});
       const AT n = at::minimum(
           at::minimum((pos + 1).div(128, "floor"), lens.index_select(0, b_of_t).div(128, "floor")),
           at::full({T}, cap, at::kLong));
+      const int64_t nmax = n.max().item<int64_t>();
+      raw = at::arange(nmax, at::kLong).unsqueeze(0).expand({T, nmax});
       cvalid = raw < n.unsqueeze(1);
     }
     const AT rc = at::where(cvalid, raw, at::zeros({}, at::kLong));

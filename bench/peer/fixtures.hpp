@@ -85,19 +85,19 @@ struct Case {
   index_t idx_blocks = 0;
   Tensor<std::int8_t, 2> idx_kv;      // (idx_blocks*128, 128)
   Tensor<float, 1> idx_sc;            // (idx_blocks*128)
-  Tensor<std::int32_t, 2> idx_table;  // (B, 64)
+  Tensor<std::int32_t, 2> idx_table;  // (B, 2 * score_len / 128): 64 at 16k
   Tensor<std::int64_t, 1> idx_slots;  // (T) index-cache slot of a ratio-4 boundary token
 
   // --- sparse attention (spec §8.1)
   Tensor<bf16, 3> q;  // (T, H, 512)
   index_t ori_blocks = 0;
   Tensor<bf16, 2> ori_kv;             // (ori_blocks*128, 512)
-  Tensor<std::int32_t, 2> ori_table;  // (B, 128)
+  Tensor<std::int32_t, 2> ori_table;  // (B, max_seq_len / 128)
   Tensor<std::int32_t, 2> win_idx;    // (T, 128) physical ori rows, -1 invalid
   Tensor<std::int32_t, 1> win_lens;   // (T)
   index_t cmp_blocks = 0;
   Tensor<bf16, 2> cmp_kv;                  // (cmp_blocks*128, 512)
-  Tensor<std::int32_t, 2> cmp_table;       // (B, 32)
+  Tensor<std::int32_t, 2> cmp_table;       // (B, score_len / 128)
   Tensor<std::int32_t, 2> topk;            // (T, idx_topk) raw compressed rows (indexer output)
   Tensor<std::int64_t, 1> c4_cmp_slots;    // (T) CSA compressed-cache slot (ratio 4)
   Tensor<std::int64_t, 1> c128_cmp_slots;  // (T) HCA compressed-cache slot (ratio 128)
@@ -210,7 +210,9 @@ inline Case make_case(const ModelConfig& cfg, int batch, int context, std::uint6
   r.fill_int8(cs.idx_kv.flat());
   cs.idx_sc = Tensor<float, 1>({cs.idx_blocks * page});
   r.fill_uniform(cs.idx_sc.flat(), 0.005f, 0.02f);
-  cs.idx_table = Tensor<std::int32_t, 2>({batch, 64});
+  // IDX_CACHE_MAX_BLOCKS: twice the ratio-4 capacity (64 columns at 16k; only the first half is
+  // reached), as paged::FixtureTables.
+  cs.idx_table = Tensor<std::int32_t, 2>({batch, 2 * ((cfg.score_len() + page - 1) / page)});
   pg::build_fixture_block_table(cs.idx_table.view(), cs.idx_blocks);
   cs.idx_slots = Tensor<std::int64_t, 1>({T});
   pg::build_compressed_slot_mapping(cs.idx_slots.view(), cs.positions.view(), cs.idx_table.view(),

@@ -1,10 +1,17 @@
 // peer_compare: TileDecode against an ATen/OpenBLAS peer and the golden references, on the same
 // inputs, in one process, next to this machine's ceilings measured in the same run.
 //
-//   peer_compare [--quick] [--json FILE] [--threads 1,2] [--filter SUBSTR] [--min-time SEC]
-//                [--golden-max-batch N]
+//   peer_compare [--quick | --long-context] [--json FILE] [--threads 1,2] [--filter SUBSTR]
+//                [--min-time SEC] [--golden-max-batch N] [--golden-max-context N]
 //
-// Points: B=4, S=2 at context 1k, 4k, 8k, 16k, and batch 1..64 at 8k (--quick: B=4 at 8k).
+// Points: B=4, S=2 at context 1k, 4k, 8k, 16k, and batch 1..64 at 8k (--quick: B=4 at 8k), on
+// the flash preset (max_seq_len 16384).
+// --long-context: the context sweep as served, B=4, S=2 at 1k, 4k, 16k, 64k, 256k and 1M - 2 on
+// the flash preset with max_seq_len = 2^20 (one configuration for the whole sweep, so only the
+// context moves), for the kernels whose work grows with context (indexer, the three attentions,
+// the CSA layer). Golden checks every point once (agreement columns) and is timed up to
+// --golden-max-context (default 65536: its double-precision indexer takes ~10 s per call at 256k
+// and ~40 s at 1M on one core).
 // Kernels: indexer score + top-k, sparse attention CSA/HCA/SWA, output projection, the three
 // compressors (context-independent: measured at the 8k points only), and a whole CSA layer
 // step (decode::csa_step).
@@ -56,6 +63,8 @@ struct Options {
   std::string filter;
   double min_time = 0.1;
   int golden_max_batch = 4;
+  bool long_context = false;
+  int golden_max_context = 65536;
 };
 
 struct Ceilings {
@@ -455,8 +464,9 @@ std::vector<int> parse_list(const char* s) {
 
 void usage() {
   std::puts(
-      "usage: peer_compare [--quick] [--json FILE] [--threads 1,2] [--filter SUBSTR]\n"
-      "                    [--min-time SEC] [--golden-max-batch N]");
+      "usage: peer_compare [--quick | --long-context] [--json FILE] [--threads 1,2]\n"
+      "                    [--filter SUBSTR] [--min-time SEC] [--golden-max-batch N]\n"
+      "                    [--golden-max-context N]");
 }
 
 }  // namespace
@@ -484,6 +494,10 @@ int main(int argc, char** argv) {
       opt.min_time = std::atof(next());
     else if (a == "--golden-max-batch")
       opt.golden_max_batch = std::atoi(next());
+    else if (a == "--long-context")
+      opt.long_context = true;
+    else if (a == "--golden-max-context")
+      opt.golden_max_context = std::atoi(next());
     else if (a == "-h" || a == "--help") {
       usage();
       return 0;
@@ -492,6 +506,10 @@ int main(int argc, char** argv) {
       usage();
       return 2;
     }
+  }
+  if (opt.quick && opt.long_context) {
+    std::fprintf(stderr, "--quick and --long-context are exclusive\n");
+    return 2;
   }
   if (opt.quick && opt.min_time == 0.1) opt.min_time = 0.05;
   const int max_threads = *std::max_element(opt.threads.begin(), opt.threads.end());
@@ -505,10 +523,16 @@ int main(int argc, char** argv) {
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mallopt(M_TOP_PAD, 64 << 20);
 
-  const ModelConfig cfg = td::flash_config();
+  const ModelConfig cfg = [&] {
+    ModelConfig c = td::flash_config();
+    if (opt.long_context) c.max_seq_len = 1 << 20;
+    return c;
+  }();
   const td::cpu::Isa isa = td::cpu::detect_isa();
-  std::printf("peer_compare: DeepSeek-V4-flash decode kernels, TileDecode vs ATen %s\n",
-              peer_version().c_str());
+  std::printf(
+      "peer_compare: DeepSeek-V4-flash decode kernels (max_seq_len %d), TileDecode vs ATen "
+      "%s\n",
+      cfg.max_seq_len, peer_version().c_str());
   std::printf("cpu: %s, %u hardware threads, TileDecode ISA %s\n", cpu_model().c_str(),
               std::thread::hardware_concurrency(), std::string(td::cpu::to_string(isa)).c_str());
   std::printf("blas: %s\n", peer_blas_info().c_str());
@@ -569,6 +593,8 @@ int main(int argc, char** argv) {
   std::vector<Point> points;
   if (opt.quick) {
     points = {{4, 8192}};
+  } else if (opt.long_context) {
+    for (int c : {1024, 4096, 16384, 65536, 262144, (1 << 20) - 2}) points.push_back({4, c});
   } else {
     for (int c : {1024, 4096, 8192, 16384}) points.push_back({4, c});
     for (int b : {1, 2, 8, 16, 32, 64}) points.push_back({b, 8192});
@@ -593,7 +619,7 @@ int main(int argc, char** argv) {
     Bench bench{w, cs, lm.get(), lc.get()};
     for (const KernelDef& k : defs) {
       if (!opt.filter.empty() && k.name.find(opt.filter) == std::string::npos) continue;
-      if (!k.context_sweep && p.context != 8192) continue;
+      if (!k.context_sweep && (p.context != 8192 || opt.long_context)) continue;
       TdRunner tdr = k.td(bench, &ctx, max_threads);
       std::vector<std::pair<std::string, Runner>> peers;
       for (const auto& [name, make] : k.peers) {
@@ -679,7 +705,7 @@ int main(int argc, char** argv) {
         }
         ctx.exec = &pool1;
         peer_set_threads(1, 1);
-        if (gold && thr == 1)
+        if (gold && thr == 1 && p.context <= opt.golden_max_context)
           r.golden_us =
               measure_interleaved({{"golden", &gold, [] {}, {}}}, 0.0, 1, 1)[0].cpu_median;
         const double roof_us = roofline_s(cost, ce, thr) * 1e6;
@@ -700,6 +726,7 @@ int main(int argc, char** argv) {
 
   // Bars at B=4, S=2, 8k (spec of the comparison): single-thread ratio to the peer, and the
   // 1 → 2 thread scaling of TileDecode.
+  if (opt.long_context) std::printf("\n(no 8k point in the long-context sweep: no bars)\n");
   std::printf("\nbars at B=4, S=2, context 8k:\n");
   std::printf("%-17s %10s %6s %8s %10s %6s %6s %s\n", "kernel", "x_peer(1t)", "bar", "", "2t/1t",
               "bar", "", "2t/1t cold");
@@ -759,6 +786,8 @@ int main(int argc, char** argv) {
              "wake (tiledecode_cold_*)")
       << ",\n";
     f << "  \"min_time_s\": " << json_num(opt.min_time) << ",\n";
+    f << "  \"sweep\": " << json_str(opt.long_context ? "long_context" : "base") << ",\n";
+    f << "  \"max_seq_len\": " << cfg.max_seq_len << ",\n";
     f << "  \"quick\": " << (opt.quick ? "true" : "false") << ",\n  \"rows\": [\n";
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];

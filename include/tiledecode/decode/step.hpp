@@ -158,6 +158,43 @@ struct LayerPlan {
   int seq = 1;
 };
 
+// ---- the entry points (defined below) ---------------------------------------------------------
+// Header-only by default: every entry point is an inline function of this header, and each
+// translation unit that calls one compiles the whole stack (every kernel on every CPU tier and on
+// the a2a3 model: ~1 min of g++ -O3 per TU on one Zen 3 core). A program that calls them from many
+// TUs can compile the stack once instead: define TILEDECODE_SEPARATE_STEP in every TU of the
+// program (target-wide) and TILEDECODE_STEP_IMPLEMENTATION as well in exactly one, which then holds
+// the only (non-inline) definitions; the others see these declarations and nothing of the bodies.
+// Same code either way (this repository's tests, benchmarks and examples build that way:
+// src/step_instance.cpp). Everything else in the library stays inline.
+#if defined(TILEDECODE_SEPARATE_STEP) || defined(TILEDECODE_STEP_IMPLEMENTATION)
+#define TILEDECODE_STEP_LINKAGE
+#else
+#define TILEDECODE_STEP_LINKAGE inline
+#endif
+
+// One layer step (all or nothing: see the definition).
+TILEDECODE_STEP_LINKAGE void layer_step(const Backend& be, View<float, 3> x_out,
+                                        ConstView<float, 3> x_hc, const LayerWeights& w,
+                                        const LayerCaches& c, const paged::StepMetadata& md,
+                                        const RopeTableView& rope, Workspace& ws,
+                                        const ModelConfig& cfg, const LayerOptions& opt = {},
+                                        KernelTimes* times = nullptr);
+// What layer_step checks before its first write, without running anything.
+TILEDECODE_STEP_LINKAGE void validate_layer_step(
+    const Backend& be, View<float, 3> x_out, ConstView<float, 3> x_hc, const LayerWeights& w,
+    const LayerCaches& c, const paged::StepMetadata& md, const RopeTableView& rope, Workspace& ws,
+    const ModelConfig& cfg, const LayerOptions& opt = {});
+// The validated plan of one layer step, for running it one kernel at a time.
+TILEDECODE_STEP_LINKAGE void plan_layer_step(LayerPlan& p, const Backend& be, View<float, 3> x_out,
+                                             ConstView<float, 3> x_hc, const LayerWeights& w,
+                                             const LayerCaches& c, const paged::StepMetadata& md,
+                                             const RopeTableView& rope, Workspace& ws,
+                                             const ModelConfig& cfg, const LayerOptions& opt = {});
+// Kernel k of such a plan.
+TILEDECODE_STEP_LINKAGE void run_layer_kernel(const Backend& be, const LayerPlan& p, Kernel k,
+                                              KernelTimes* times = nullptr);
+
 namespace detail {
 class KernelTimer {
  public:
@@ -428,6 +465,7 @@ void layer_program(const B& b, const LayerPlan& p, KernelTimes* times) {
 
 }  // namespace detail
 
+#if !defined(TILEDECODE_SEPARATE_STEP) || defined(TILEDECODE_STEP_IMPLEMENTATION)
 // One attention layer of the decode step (family = w.kind) on backend `be` (CPU or the a2a3 model).
 //   x_out  (T, 4, D) FP32, written;   x_hc (T, 4, D) FP32, the layer's input stack
 //   w      the layer's weights; c: its pools (updated: kv_cache, and per family cmp_kv, state,
@@ -440,10 +478,12 @@ void layer_program(const B& b, const LayerPlan& p, KernelTimes* times) {
 // All or nothing: every argument of every kernel of the step is validated before the first
 // write; on bad input tiledecode::Error names the argument and no output, pool, state or cache
 // has changed.
-inline void layer_step(const Backend& be, View<float, 3> x_out, ConstView<float, 3> x_hc,
-                       const LayerWeights& w, const LayerCaches& c, const paged::StepMetadata& md,
-                       const RopeTableView& rope, Workspace& ws, const ModelConfig& cfg,
-                       const LayerOptions& opt = {}, KernelTimes* times = nullptr) {
+TILEDECODE_STEP_LINKAGE void layer_step(const Backend& be, View<float, 3> x_out,
+                                        ConstView<float, 3> x_hc, const LayerWeights& w,
+                                        const LayerCaches& c, const paged::StepMetadata& md,
+                                        const RopeTableView& rope, Workspace& ws,
+                                        const ModelConfig& cfg, const LayerOptions& opt,
+                                        KernelTimes* times) {
   LayerPlan p;
   detail::plan_layer(p, "decode::layer_step", be, x_out, x_hc, w, c, md, rope, ws, cfg, opt);
   dispatch(be, [&](const auto& b) {
@@ -453,11 +493,12 @@ inline void layer_step(const Backend& be, View<float, 3> x_out, ConstView<float,
 }
 
 // Validates one layer step without running it (what layer_step checks before its first write).
-inline void validate_layer_step(const Backend& be, View<float, 3> x_out, ConstView<float, 3> x_hc,
-                                const LayerWeights& w, const LayerCaches& c,
-                                const paged::StepMetadata& md, const RopeTableView& rope,
-                                Workspace& ws, const ModelConfig& cfg,
-                                const LayerOptions& opt = {}) {
+TILEDECODE_STEP_LINKAGE void validate_layer_step(const Backend& be, View<float, 3> x_out,
+                                                 ConstView<float, 3> x_hc, const LayerWeights& w,
+                                                 const LayerCaches& c,
+                                                 const paged::StepMetadata& md,
+                                                 const RopeTableView& rope, Workspace& ws,
+                                                 const ModelConfig& cfg, const LayerOptions& opt) {
   LayerPlan p;
   detail::plan_layer(p, "decode::layer_step", be, x_out, x_hc, w, c, md, rope, ws, cfg, opt);
   dispatch(be, [&](const auto& b) { detail::validate_plan(b, p); });
@@ -466,18 +507,19 @@ inline void validate_layer_step(const Backend& be, View<float, 3> x_out, ConstVi
 // Fills `p` with the validated plan of one layer step (everything layer_step checks) without
 // running it; with run_layer_kernel the layer then runs one kernel at a time (tests feed each
 // kernel the golden inputs through p.v; profilers time one kernel). Same arguments as layer_step.
-inline void plan_layer_step(LayerPlan& p, const Backend& be, View<float, 3> x_out,
-                            ConstView<float, 3> x_hc, const LayerWeights& w, const LayerCaches& c,
-                            const paged::StepMetadata& md, const RopeTableView& rope, Workspace& ws,
-                            const ModelConfig& cfg, const LayerOptions& opt = {}) {
+TILEDECODE_STEP_LINKAGE void plan_layer_step(LayerPlan& p, const Backend& be, View<float, 3> x_out,
+                                             ConstView<float, 3> x_hc, const LayerWeights& w,
+                                             const LayerCaches& c, const paged::StepMetadata& md,
+                                             const RopeTableView& rope, Workspace& ws,
+                                             const ModelConfig& cfg, const LayerOptions& opt) {
   detail::plan_layer(p, "decode::plan_layer_step", be, x_out, x_hc, w, c, md, rope, ws, cfg, opt);
   dispatch(be, [&](const auto& b) { detail::validate_plan(b, p); });
 }
 
 // Runs kernel `k` of a plan made by plan_layer_step with the same backend (its inputs are whatever
 // p.v and the pools hold). Throws, before running anything, if the family has no such kernel.
-inline void run_layer_kernel(const Backend& be, const LayerPlan& p, Kernel k,
-                             KernelTimes* times = nullptr) {
+TILEDECODE_STEP_LINKAGE void run_layer_kernel(const Backend& be, const LayerPlan& p, Kernel k,
+                                              KernelTimes* times) {
   const auto ks = layer_kernels(p.kind);
   if (std::find(ks.begin(), ks.end(), k) == ks.end())
     throw_arg("decode::run_layer_kernel", "k", std::string(to_string(k)),
@@ -486,6 +528,8 @@ inline void run_layer_kernel(const Backend& be, const LayerPlan& p, Kernel k,
     detail::run_kernel(b, k, times, [&] { detail::kernel_program(b, p, k); });
   });
 }
+#endif  // the definitions
+#undef TILEDECODE_STEP_LINKAGE
 
 namespace detail {
 inline void check_kind(std::string_view where, LayerKind got, LayerKind want) {
