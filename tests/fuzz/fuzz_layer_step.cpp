@@ -295,8 +295,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         static constexpr float kBad[] = {std::numeric_limits<float>::quiet_NaN(),
                                          std::numeric_limits<float>::infinity(),
                                          -std::numeric_limits<float>::infinity()};
+        // From the layer's own sinks, not wv.attn_sink: when this case is drawn twice, wv
+        // points at the previous `sink`, which the assignment below frees (a heap-use-after-free
+        // of this harness that fuzz_layer_step found itself; corpus/layer_step/sink_twice).
+        const float* orig = L.weights.view().attn_sink.data();
         sink = td::Tensor<float, 1>({cfg.n_heads});
-        std::copy_n(wv.attn_sink.data(), cfg.n_heads, sink.data());
+        std::copy_n(orig, cfg.n_heads, sink.data());
         sink.data()[in.ConsumeIntegralInRange<index_t>(0, cfg.n_heads - 1)] =
             in.PickValueInArray(kBad);
         wv.attn_sink = sink.view();
