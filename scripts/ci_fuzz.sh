@@ -11,6 +11,7 @@
 #   FUZZ_BUILD_DIR   build folder (default build-fuzz)
 #   FUZZ_ARTIFACTS   where crash/timeout inputs go (default $FUZZ_BUILD_DIR/artifacts)
 #   FUZZ_TARGETS     space-separated subset, e.g. "metadata cache" (default: every fuzz_*.cpp)
+#   FUZZ_PARALLEL    targets fuzzed at a time (default JOBS, the core count)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 install_missing_packages clang libclang-rt-14-dev llvm
 
@@ -42,29 +43,43 @@ echo "== fuzz: build took $((SECONDS - t0)) s"
 mkdir -p "$FUZZ_ARTIFACTS"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-failed=()
-for t in $FUZZ_TARGETS; do
-  bin="$FUZZ_BUILD_DIR/tests/fuzz/fuzz_$t"
+run_target() {
+  # run_target <name>: fuzzes one target from its seed corpus; writes $work/<name>.result.
+  local t="$1" bin="$FUZZ_BUILD_DIR/tests/fuzz/fuzz_$1" seeds runs t1=$SECONDS
   mkdir -p "$work/$t"
   [ -d "$ROOT/tests/fuzz/corpus/$t" ] && cp "$ROOT/tests/fuzz/corpus/$t/"* "$work/$t/" 2>/dev/null || true
   seeds=$(ls "$work/$t" | wc -l)
   runs="${FUZZ_RUNS:-${DEFAULT_RUNS[$t]:-100000}}"
   echo "== fuzz: fuzz_$t, $runs inputs (cap ${FUZZ_SECONDS} s) from $seeds seed inputs"
-  t1=$SECONDS
   # -timeout: one input may take at most 10 s; -rss_limit_mb bounds memory on the CI runner.
   # A fixed seed and a fixed number of inputs keep a CI run reproducible (a time budget alone
   # made the explored inputs depend on the runner's speed).
   if "$bin" "$work/$t" -seed="${FUZZ_SEED:-1}" -runs="$runs" -max_total_time="$FUZZ_SECONDS" \
        -timeout=10 -rss_limit_mb=2048 \
        -print_final_stats=1 -artifact_prefix="$FUZZ_ARTIFACTS/${t}-" >"$work/$t.log" 2>&1; then
-    grep -E '^(#[0-9]+ +DONE|stat::number_of_executed_units|stat::average_exec_per_sec|stat::peak_rss_mb)' \
-      "$work/$t.log" | sed 's/^/   /'
-    echo "== fuzz: fuzz_$t PASSED ($((SECONDS - t1)) s, corpus now $(ls "$work/$t" | wc -l) inputs)"
+    {
+      grep -E '^(#[0-9]+ +DONE|stat::number_of_executed_units|stat::average_exec_per_sec|stat::peak_rss_mb)' \
+        "$work/$t.log" | sed 's/^/   /'
+      echo "== fuzz: fuzz_$t PASSED ($((SECONDS - t1)) s, corpus now $(ls "$work/$t" | wc -l) inputs)"
+    } >"$work/$t.result"
   else
-    tail -n 60 "$work/$t.log"
-    echo "== fuzz: fuzz_$t FAILED; reproducer(s): $(ls "$FUZZ_ARTIFACTS" | grep "^${t}-" | tr '\n' ' ')"
-    failed+=("$t")
+    {
+      tail -n 60 "$work/$t.log"
+      echo "== fuzz: fuzz_$t FAILED; reproducer(s): $(ls "$FUZZ_ARTIFACTS" | grep "^${t}-" | tr '\n' ' ')"
+    } >"$work/$t.result"
   fi
+  cat "$work/$t.result"
+}
+
+# FUZZ_PARALLEL targets fuzz at a time (default JOBS: each libFuzzer process is single-threaded).
+failed=()
+for t in $FUZZ_TARGETS; do
+  while [ "$(jobs -rp | wc -l)" -ge "${FUZZ_PARALLEL:-$JOBS}" ]; do wait -n || true; done
+  run_target "$t" &
+done
+wait
+for t in $FUZZ_TARGETS; do
+  grep -q "fuzz_$t PASSED" "$work/$t.result" 2>/dev/null || failed+=("$t")
 done
 if [ ${#failed[@]} -gt 0 ]; then
   echo "== fuzz: FAILED targets: ${failed[*]} (inputs in $FUZZ_ARTIFACTS)"

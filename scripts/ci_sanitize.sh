@@ -2,7 +2,8 @@
 # The sanitizer pass of CI.
 #  1. AddressSanitizer + UndefinedBehaviorSanitizer (clang, -DTILEDECODE_SANITIZE=ON) with
 #     TILEDECODE_CHECKED_VIEWS (every View::operator() bounds-checked): builds every test
-#     binary and runs each one once (one process per binary). Lean mode, to fit the CI budget:
+#     binary and runs each one once (one process per binary, one binary per core at a time,
+#     the longest first). Lean mode, to fit the CI budget:
 #     TILEDECODE_SANITIZE_LEAN=1 is exported so tests may shrink repeat counts; cases whose name
 #     contains "Slow" or "Exhaustive" are filtered out; and a binary with more than
 #     SAN_FULL_MAX cases runs one gtest shard of SAN_SHARDS (its cases dealt round-robin),
@@ -19,6 +20,7 @@
 #                                    0 outside a git checkout)
 #   SAN_FULL_MAX                     binaries with at most this many cases run whole (default
 #                                    SAN_SHARDS: any larger binary has a case in every shard)
+#   SAN_PARALLEL                     binaries run at a time (default JOBS, the core count)
 #   SAN_SKIP_TSAN=1                  skip pass 2
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 install_missing_packages clang libclang-rt-14-dev llvm
@@ -46,27 +48,52 @@ test_targets() {
   (cd "$ROOT/tests" && ls test_*.cpp | sed 's/\.cpp$//')
 }
 
+# Binaries that take longest under ASan start first, so the parallel slots finish together.
+SAN_LONG_FIRST="test_backend_ops test_decode_step test_a2a3 test_reliability test_numerics"
+
+run_one() {
+  # run_one <label> <build dir> <gtest filter> <stem>: runs one binary, writes <stem>.log and
+  # <stem>.result (one line: PASSED/FAILED, seconds, what ran).
+  local label="$1" dir="$2" filter="$3" stem="$4" t1=$SECONDS n note shard_env=()
+  n=$(cd "$dir/tests" && GTEST_FILTER="$filter" "./$stem" --gtest_list_tests | grep -c '^  ' || true)
+  note="all $n cases"
+  if [ "${SHARDS:-1}" -gt 1 ] && [ "$n" -gt "$SAN_FULL_MAX" ]; then
+    shard_env=(GTEST_TOTAL_SHARDS="$SHARDS" GTEST_SHARD_INDEX="$SHARD_INDEX")
+    note="shard $SHARD_INDEX/$SHARDS of $n cases"
+  fi
+  if (cd "$dir/tests" && env GTEST_FILTER="$filter" "${shard_env[@]}" timeout 900 "./$stem" \
+        --gtest_brief=1 >"$dir/$stem.log" 2>&1); then
+    echo "PASSED ($((SECONDS - t1)) s, $note: $(grep -Eo '[0-9]+ tests? from [0-9]+ test suites? ran' "$dir/$stem.log" | head -1))" >"$dir/$stem.result"
+  else
+    echo "FAILED ($((SECONDS - t1)) s)" >"$dir/$stem.result"
+  fi
+  echo "== $label: $stem $(cat "$dir/$stem.result")"
+}
+
 run_binaries() {
   # run_binaries <label> <build dir> <gtest filter> <binary...>
-  # SHARDS (1 = whole binaries) and SHARD_INDEX come from the caller's environment.
+  # SHARDS (1 = whole binaries) and SHARD_INDEX come from the caller's environment. SAN_PARALLEL
+  # binaries run at a time (default JOBS: the test binaries are single-threaded apart from the
+  # thread-pool cases, so one per core keeps the runner busy without oversubscribing it).
   local label="$1" dir="$2" filter="$3"; shift 3
-  local failed=() t1 n shard_env note
-  for stem in "$@"; do
-    t1=$SECONDS
-    n=$(cd "$dir/tests" && GTEST_FILTER="$filter" "./$stem" --gtest_list_tests | grep -c '^  ' || true)
-    shard_env=()
-    note="all $n cases"
-    if [ "${SHARDS:-1}" -gt 1 ] && [ "$n" -gt "$SAN_FULL_MAX" ]; then
-      shard_env=(GTEST_TOTAL_SHARDS="$SHARDS" GTEST_SHARD_INDEX="$SHARD_INDEX")
-      note="shard $SHARD_INDEX/$SHARDS of $n cases"
-    fi
-    if (cd "$dir/tests" && env GTEST_FILTER="$filter" "${shard_env[@]}" timeout 900 "./$stem" \
-          --gtest_brief=1 >"$dir/$stem.log" 2>&1); then
-      echo "== $label: $stem PASSED ($((SECONDS - t1)) s, $note: $(grep -Eo '[0-9]+ tests? from [0-9]+ test suites? ran' "$dir/$stem.log" | head -1))"
-    else
-      tail -n 80 "$dir/$stem.log"
-      echo "== $label: $stem FAILED ($((SECONDS - t1)) s)"
-      failed+=("$stem")
+  local failed=() ordered=() s par="${SAN_PARALLEL:-$JOBS}"
+  for s in $SAN_LONG_FIRST; do
+    [[ " $* " == *" $s "* ]] && ordered+=("$s")
+  done
+  for s in "$@"; do
+    [[ " ${ordered[*]} " == *" $s "* ]] || ordered+=("$s")
+  done
+  for s in "${ordered[@]}"; do
+    rm -f "$dir/$s.result"
+    while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do wait -n || true; done
+    run_one "$label" "$dir" "$filter" "$s" &
+  done
+  wait
+  for s in "${ordered[@]}"; do
+    if ! grep -q '^PASSED' "$dir/$s.result" 2>/dev/null; then
+      tail -n 80 "$dir/$s.log"
+      echo "== $label: $s FAILED"
+      failed+=("$s")
     fi
   done
   if [ ${#failed[@]} -gt 0 ]; then
