@@ -393,7 +393,8 @@ int main(int argc, char** argv) try {
   // 2^20 = 1M tokens; every table, pool view, RoPE table and workspace follows cfg.max_seq_len).
   const td::ModelConfig cfg = [&] {
     td::ModelConfig c = td::config_by_name(opt.preset);
-    const long need = long(opt.context) + opt.steps + S;
+    // The last step starts at context + steps - 1 and writes S positions from there.
+    const long need = long(opt.context) + opt.steps - 1 + S;
     while (c.max_seq_len < need && c.max_seq_len < (1 << 20)) c.max_seq_len *= 2;
     return c;
   }();

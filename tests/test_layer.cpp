@@ -10,6 +10,7 @@
 
 #include "common/compare.hpp"
 #include "common/decode_fixture.hpp"
+#include "common/qkv_fixture.hpp"
 #include "common/random.hpp"
 #include "common/tolerances.hpp"
 #include "tiledecode/backend/cpu/hyper_connection.hpp"
@@ -25,6 +26,9 @@
 namespace td = tiledecode;
 using td::bf16;
 using td::index_t;
+using tdtest::QkvFixture;
+using tdtest::QkvOut;
+using tdtest::run_qkv;
 
 namespace {
 
@@ -195,67 +199,6 @@ TEST(RmsNorm, MatchesGoldenBothIsas) {
   td::Tensor<bf16, 1> bad({D - 1});
   EXPECT_THROW(td::kernels::rmsnorm(td::cpu::Context{}, x.view(), x.view(), bad.view(), 1e-6f),
                td::Error);
-}
-
-struct QkvFixture {
-  td::ModelConfig cfg;
-  index_t T;
-  td::Tensor<bf16, 2> x_n, wq_a, wkv;
-  td::Tensor<bf16, 1> gamma_cq, gamma_ckv;
-  td::Tensor<std::int8_t, 2> wq_b;
-  td::Tensor<float, 1> wq_b_scale;
-  td::Tensor<std::int32_t, 1> pos;
-  td::RopeTable rope;
-  QkvFixture(const td::ModelConfig& c, index_t t, std::uint64_t seed)
-      : cfg(c),
-        T(t),
-        x_n({T, c.hidden}),
-        wq_a({c.hidden, c.q_lora}),
-        wkv({c.hidden, c.head_dim}),
-        gamma_cq({c.q_lora}),
-        gamma_ckv({c.head_dim}),
-        wq_b({c.q_lora, index_t(c.n_heads) * c.head_dim}),
-        wq_b_scale({index_t(c.n_heads) * c.head_dim}),
-        pos({T}),
-        rope(td::make_rope_table(c, td::LayerKind::csa, 8200)) {
-    // Counter-based synthetic fills (fast, parallel-safe) at the weight statistics of the layer.
-    namespace sy = td::decode::synthetic;
-    const td::cpu::Context ctx{};
-    sy::fill_normal(ctx, x_n.flat(), sy::tensor_key(seed, 0, 1), 0.0f, 1.0f);
-    sy::fill_normal(ctx, wq_a.flat(), sy::tensor_key(seed, 0, 2), 0.0f, 1.0f / 64.0f);
-    sy::fill_normal(ctx, wkv.flat(), sy::tensor_key(seed, 0, 3), 0.0f, 1.0f / 64.0f);
-    sy::fill_normal(ctx, gamma_cq.flat(), sy::tensor_key(seed, 0, 4), 1.0f, 0.2f);
-    sy::fill_normal(ctx, gamma_ckv.flat(), sy::tensor_key(seed, 0, 5), 1.0f, 0.2f);
-    sy::fill_int8(ctx, wq_b.flat(), sy::tensor_key(seed, 0, 6));
-    sy::fill_scale(ctx, wq_b_scale.flat(), sy::tensor_key(seed, 0, 7), 2e-4f);
-    const std::int32_t starts[4] = {8192, 0, 2, 3};
-    for (index_t i = 0; i < T; ++i) pos.data()[i] = starts[(i / 2) % 4] + std::int32_t(i % 2);
-  }
-  td::QkvWeights weights() const {
-    return {wq_a.view(),       gamma_cq.view(), wq_b.view(),
-            wq_b_scale.view(), wkv.view(),      gamma_ckv.view()};
-  }
-};
-
-struct QkvOut {
-  td::Tensor<bf16, 3> q;
-  td::Tensor<bf16, 2> kv;
-  td::Tensor<std::int8_t, 2> qr;
-  td::Tensor<float, 1> qr_scale;
-  QkvOut(const td::ModelConfig& c, index_t T)
-      : q({T, c.n_heads, c.head_dim}), kv({T, c.head_dim}), qr({T, c.q_lora}), qr_scale({T}) {}
-};
-
-void run_qkv(const QkvFixture& f, QkvOut& o, const td::cpu::Context& ctx,
-             const td::QkvPackedWqB* packed = nullptr) {
-  const auto& c = f.cfg;
-  td::Tensor<float, 2> x({f.T, c.hidden}), cq({f.T, c.q_lora}), kvf({f.T, c.head_dim});
-  td::Tensor<std::int32_t, 2> pairs({f.T, c.q_lora / 2});
-  td::QkvWeights w = f.weights();
-  w.wq_b_packed = packed;
-  td::kernels::qkv_projection(ctx, o.q.view(), o.kv.view(), o.qr.view(), o.qr_scale.view(),
-                              f.x_n.view(), w, f.rope.view(), f.pos.view(),
-                              {x.view(), cq.view(), kvf.view(), pairs.view()}, c);
 }
 
 void expect_qkv_close(const QkvOut& a, const QkvOut& g) {

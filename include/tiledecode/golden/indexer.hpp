@@ -15,6 +15,7 @@
 #include "tiledecode/core/error.hpp"
 #include "tiledecode/core/quant.hpp"
 #include "tiledecode/core/view.hpp"
+#include "tiledecode/golden/rope.hpp"
 #include "tiledecode/rope/rope.hpp"
 
 namespace tiledecode::golden {
@@ -25,8 +26,9 @@ inline int indexer_visible_rows(const ModelConfig& cfg, int pos, int kv_len) {
 }
 
 // Query path (spec §7.1), per token t and head h:
-//   qi      = (qr[t] @ idx_wq_b)_int32 * qr_scale[t] * idx_wq_b_scale      (FP32)
-//   qi_rope = bf16(rope_forward(qi[64:128], rope_pos[t]))                 (interleaved)
+//   qi      = (qr[t] @ idx_wq_b)_int32 * qr_scale[t] * idx_wq_b_scale      (double)
+//   qi_rope = bf16(rope_forward(qi[64:128], rope_pos[t]))                 (interleaved, double;
+//             every qi is rounded to BF16 via FP32)
 //   qh      = bf16([qi[0:64], qi_rope]) @ hadamard                         (FP32)
 //   q_i8[t,h], q_sc[t,h] = Q8(qh)
 // Shapes: q_i8 (T, 64, 128) INT8, q_sc (T, 64), qr (T, Q_LORA) INT8, qr_scale (T),
@@ -38,7 +40,8 @@ inline void indexer_query(const ModelConfig& cfg, View<std::int8_t, 3> q_i8, Vie
                           ConstView<bf16, 2> hadamard) {
   const index_t T = qr.extent(0), H = cfg.idx_n_heads, DI = cfg.idx_head_dim;
   const index_t nope = DI - cfg.rope_dim;
-  std::vector<float> qi(static_cast<std::size_t>(DI)), qh(static_cast<std::size_t>(DI));
+  std::vector<double> qi(static_cast<std::size_t>(DI));
+  std::vector<float> qh(static_cast<std::size_t>(DI));
   std::vector<std::int8_t> q(static_cast<std::size_t>(DI));
   std::vector<std::int64_t> acc(static_cast<std::size_t>(H * DI));
   for (index_t t = 0; t < T; ++t) {
@@ -51,15 +54,15 @@ inline void indexer_query(const ModelConfig& cfg, View<std::int8_t, 3> q_i8, Vie
     for (index_t h = 0; h < H; ++h) {
       for (index_t d = 0; d < DI; ++d) {
         const index_t col = h * DI + d;
-        qi[d] = float(acc[std::size_t(col)]) * qr_scale.at(t) * idx_wq_b_scale.at(col);
+        qi[d] =
+            double(acc[std::size_t(col)]) * double(qr_scale.at(t)) * double(idx_wq_b_scale.at(col));
       }
-      rope_forward(std::span<float>(qi).subspan(std::size_t(nope)), rope.cos_row(pos),
+      rope_forward(std::span<double>(qi).subspan(std::size_t(nope)), rope.cos_row(pos),
                    rope.sin_row(pos));
-      for (auto& v : qi) v = round_bf16(v);
+      for (auto& v : qi) v = round_bf16(float(v));
       for (index_t j = 0; j < DI; ++j) {
         double acc = 0;
-        for (index_t i = 0; i < DI; ++i)
-          acc += double(qi[i]) * double(hadamard.at(i, j).to_float());
+        for (index_t i = 0; i < DI; ++i) acc += qi[i] * double(hadamard.at(i, j).to_float());
         qh[j] = float(acc);
       }
       q_sc.at(t, h) = quantize_q8(q, qh);

@@ -1,8 +1,9 @@
 #pragma once
-// Golden q/kv projection (spec §4 step 3), written from the formulas with plain loops and the
-// numerical contract of kernels/qkv_projection.hpp: the BF16 matmuls accumulate in FP32 in
-// ascending k (the spec's FP32 accumulation), the INT8 one in int64, every RMSNorm, dequant and
-// rotation in double; cq is stored as FP32, q and kv are rounded to BF16 via FP32.
+// Golden q/kv projection (spec §4 step 3), written from the formulas with plain loops: the BF16
+// matmuls accumulate in double (at least the spec's FP32 accumulation; the nearest to the exact
+// dot, against which the fast path's rounding accuracy is measured), the INT8 one in int64, every
+// RMSNorm, dequant and rotation in double; cq is stored as FP32, q and kv are rounded to BF16 via
+// FP32.
 //   cq  = float(rmsnorm(x_n @ wq_a) * gamma_cq) ; qr, qr_scale = Q8(cq)
 //   qf  = (qr @ wq_b) * qr_scale * wq_b_scale ; per-head RMSNorm (no weight)
 //   q   = bf16([qf[:448], rope_fwd(qf[448:], pos_t)])
@@ -51,15 +52,15 @@ inline void qkv_projection(View<bf16, 3> q, View<bf16, 2> kv, View<std::int8_t, 
     const index_t pos = position_ids(t);
     check_range<index_t>("golden::qkv_projection", "position_ids[t]", pos, 0, rope.length());
     // cq
-    std::vector<float> facc(static_cast<std::size_t>(QL), 0.0f);
+    std::vector<double> facc(static_cast<std::size_t>(QL), 0.0);
     for (index_t k = 0; k < D; ++k) {
-      const float a = x_n(t, k).to_float();
-      for (index_t n = 0; n < QL; ++n) facc[n] += a * w.wq_a(k, n).to_float();
+      const double a = x_n(t, k).to_float();
+      for (index_t n = 0; n < QL; ++n) facc[n] += a * double(w.wq_a(k, n).to_float());
     }
     double ss = 0;
-    for (index_t n = 0; n < QL; ++n) ss += double(facc[n]) * facc[n];
+    for (index_t n = 0; n < QL; ++n) ss += facc[n] * facc[n];
     double r = 1.0 / std::sqrt(ss / double(QL) + eps);
-    for (index_t n = 0; n < QL; ++n) cq[n] = float(double(facc[n]) * r * w.gamma_cq(n).to_float());
+    for (index_t n = 0; n < QL; ++n) cq[n] = float(facc[n] * r * w.gamma_cq(n).to_float());
     std::int8_t* qrt = &qr(t, 0);
     qr_scale(t) = quantize_q8(std::span<std::int8_t>(qrt, std::size_t(QL)), cq);
     // q
@@ -81,15 +82,15 @@ inline void qkv_projection(View<bf16, 3> q, View<bf16, 2> kv, View<std::int8_t, 
       for (index_t n = 0; n < HD; ++n) q(t, h, n) = bf16(float(qf[n]));
     }
     // kv
-    std::vector<float> kacc(static_cast<std::size_t>(HD), 0.0f);
+    std::vector<double> kacc(static_cast<std::size_t>(HD), 0.0);
     for (index_t k = 0; k < D; ++k) {
-      const float a = x_n(t, k).to_float();
-      for (index_t n = 0; n < HD; ++n) kacc[n] += a * w.wkv(k, n).to_float();
+      const double a = x_n(t, k).to_float();
+      for (index_t n = 0; n < HD; ++n) kacc[n] += a * double(w.wkv(k, n).to_float());
     }
     ss = 0;
-    for (index_t n = 0; n < HD; ++n) ss += double(kacc[n]) * kacc[n];
+    for (index_t n = 0; n < HD; ++n) ss += kacc[n] * kacc[n];
     r = 1.0 / std::sqrt(ss / double(HD) + eps);
-    for (index_t n = 0; n < HD; ++n) acc[n] = double(kacc[n]) * r * w.gamma_ckv(n).to_float();
+    for (index_t n = 0; n < HD; ++n) acc[n] = kacc[n] * r * w.gamma_ckv(n).to_float();
     detail::rope_forward_d(acc.data() + NOPE, rope, pos, RD);
     for (index_t n = 0; n < HD; ++n) kv(t, n) = bf16(float(acc[n]));
   }

@@ -407,6 +407,17 @@ inline void rope_forward(std::span<float> x, const bf16* cos_row, const bf16* si
   }
 }
 
+// Forward interleaved rotation of n dims in double with the BF16 table row (spec §5): the fast
+// paths' epilogues, whose results are rounded once to FP32 (then BF16 or INT8).
+inline void rope_forward_f64(double* x, const bf16* cos_row, const bf16* sin_row, index_t n) {
+  for (index_t i = 0; i < n / 2; ++i) {
+    const double c = cos_row[i].to_float(), sn = sin_row[i].to_float();
+    const double e = x[2 * i], o = x[2 * i + 1];
+    x[2 * i] = e * c - o * sn;
+    x[2 * i + 1] = e * sn + o * c;
+  }
+}
+
 // Inverse (conjugate) interleaved rotation in place (FP32), same layout as rope_forward.
 inline void rope_inverse(std::span<float> x, const bf16* cos_row, const bf16* sin_row) {
   for (std::size_t i = 0; i < x.size() / 2; ++i) {

@@ -28,35 +28,15 @@ namespace detail {
 
 // ---------------------------------------------------------------------------------------------
 // Scalar twins of the AVX2 microkernels in backend/cpu/compressor_avx2.hpp: same task split,
-// same lane-wise summation order (8 lanes, ascending k, the AVX2 horizontal-sum tree), same
+// same summation order (the two-level lane order of bf16_rows_avx2.hpp), same
 // candidate order; one row at a time (no register tile), std::exp instead of the polynomial exp.
 
-// out[t*ld_out + r] = Σ_k x[t*ld_x + k] * w[r*ld_w + k]; 8 lane-wise partial sums per output.
+// out[t*ld_out + r] = Σ_k x[t*ld_x + k] * w[r*ld_w + k] in the shared two-level order
+// (cpu::bf16_rows_dot_scalar, backend/cpu/bf16_rows_avx2.hpp).
 inline void project_rows_scalar(float* out, index_t ld_out, const float* x, index_t ld_x,
                                 index_t n_tok, const bf16* w, index_t ld_w, index_t n_rows,
                                 index_t d) {
-  constexpr int G = cpu::kCompressorTokenGroup;
-  for (index_t tg = 0; tg < n_tok; tg += G) {
-    const int nt = static_cast<int>(std::min<index_t>(G, n_tok - tg));
-    const float* xg = x + tg * ld_x;
-    for (index_t r = 0; r < n_rows; ++r) {
-      float acc[G][8] = {};  // (tokens, lanes) partial sums of this row
-      const bf16* wr = w + r * ld_w;
-      for (index_t k = 0; k < d; k += 8) {
-        float wf[8];
-        for (int l = 0; l < 8; ++l) wf[l] = wr[k + l].to_float();
-        for (int t = 0; t < nt; ++t) {
-          const float* xt = xg + t * ld_x + k;
-          for (int l = 0; l < 8; ++l) acc[t][l] += wf[l] * xt[l];
-        }
-      }
-      for (int t = 0; t < nt; ++t) {
-        const float* a = acc[t];
-        out[(tg + t) * ld_out + r] =
-            ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-      }
-    }
-  }
+  cpu::bf16_rows_dot_scalar<false>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d);
 }
 
 inline void pool_channels_scalar(float* pooled, const float* const* kv, const float* const* score,
@@ -210,16 +190,24 @@ struct backend_ops_compressor {
       kernels::detail::pool_channels_scalar(z.ws.pooled, kv, sc, n, c0, c1);
     });
   }
-  // y = rmsnorm(pooled, norm_w) with forward RoPE on the last 64 dims at rope_pos.
+  // y = rmsnorm(pooled, norm_w) with forward RoPE on the last 64 dims at rope_pos, in double and
+  // rounded once to FP32: y is rounded to BF16 next (cmp_kv rows, the inner compressor's
+  // Hadamard input), where each extra FP32 rounding of the norm and the rotation would flip
+  // BF16 roundings (Σ pooled² of 512 values, two products and the rotation's two products and
+  // add cost nothing next to the pool).
   static void norm_rope(Lane& z, const kernels::CompressorArgs& a, index_t rope_pos) {
     const index_t HD = a.spec.head_dim;
-    float lanes[8] = {};
-    for (index_t i = 0; i < HD; ++i) lanes[i % 8] += z.ws.pooled[i] * z.ws.pooled[i];
-    const float ss = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) +
-                     ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-    const float r = 1.0f / std::sqrt(ss / float(HD) + a.cfg->rms_eps);
-    for (index_t i = 0; i < HD; ++i) z.ws.y[i] = z.ws.pooled[i] * r * a.w.norm_w(i).to_float();
-    rope_forward(std::span<float>(z.ws.y + HD - kRopeDim, kRopeDim), a.rope, rope_pos);
+    double ss = 0.0;
+    for (index_t i = 0; i < HD; ++i) ss += double(z.ws.pooled[i]) * double(z.ws.pooled[i]);
+    const double r = 1.0 / std::sqrt(ss / double(HD) + double(a.cfg->rms_eps));
+    const index_t nope = HD - kRopeDim;
+    for (index_t i = 0; i < nope; ++i)
+      z.ws.y[i] = float(double(z.ws.pooled[i]) * r * double(a.w.norm_w(i).to_float()));
+    double y[kRopeDim];
+    for (index_t i = 0; i < kRopeDim; ++i)
+      y[i] = double(z.ws.pooled[nope + i]) * r * double(a.w.norm_w(nope + i).to_float());
+    rope_forward_f64(y, a.rope.cos_row(rope_pos), a.rope.sin_row(rope_pos), kRopeDim);
+    for (index_t i = 0; i < kRopeDim; ++i) z.ws.y[nope + i] = float(y[i]);
   }
   // Main: cmp_kv[slot] = bf16(y). Inner: y_bf = bf16(y), z = y_bf @ H, z_bf = bf16(z), Q8.
   static void emit(Lane& z, const kernels::CompressorArgs& a, index_t b, index_t, index_t slot) {

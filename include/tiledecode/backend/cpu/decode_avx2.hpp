@@ -5,11 +5,11 @@
 //
 // The projections at decode time are weight-bandwidth bound (T = 8 rows against megabytes of
 // weights), so both matmuls use the "axpy" order: each weight row k is read once and multiplied
-// into the accumulators of all T tokens, in blocks of 4 rows (BF16) or 4 row pairs (INT8) so an
-// accumulator is loaded and stored once per block rather than once per row. The sum over k stays
-// in ascending k for every output element, so the AVX2 and scalar paths give the same FP32 bits
-// for the BF16 matmul (BF16 × BF16 products are exact in FP32, FMA or not) and the same integers
-// for the INT8 one.
+// into the accumulators of all T tokens, in blocks of 8 rows (BF16) or 4 row pairs (INT8) so an
+// accumulator is loaded and stored once per block rather than once per row. The BF16 matmul sums
+// each block in FP32 and the blocks in double (matmul_bf16_axpy); its scalar twin follows the
+// same order, so the AVX2 and scalar paths give the same FP32 bits for the BF16 matmul (BF16 ×
+// BF16 products are exact in FP32, FMA or not) and the same integers for the INT8 one.
 
 #include <algorithm>
 #include <cstdint>
@@ -23,9 +23,21 @@
 #if TILEDECODE_X86
 namespace tiledecode::cpu::avx2 {
 
-// dst[t, n] = Σ_k x[t, k] * w[k, n] for t < T <= 8 and n in [n0, n1), k ascending; n1 - n0 must
-// be a multiple of 8. x holds BF16 values widened to FP32 (x_ld floats per row); w is BF16 with
-// w_ld elements per row; dst is FP32 with dst_ld per row and is overwritten.
+// dst[t, n] = float(Σ_k x[t, k] * w[k, n]) for t < T <= 8 and n in [n0, n1); n1 - n0 must be a
+// multiple of 8. x holds BF16 values widened to FP32 (x_ld floats per row), so every product is
+// exact in FP32; w is BF16 with w_ld elements per row; dst is FP32 with dst_ld per row and is
+// overwritten. Summation order (two-level, for accuracy: cq is rounded to INT8 and kv to BF16
+// downstream, where an FP32 ulp of error flips roundings): the rows are taken in groups of
+// kBf16GroupRows consecutive k (the last group may be shorter); a group's products are summed in
+// FP32 in ascending k, the group partial is added to a double accumulator (groups ascending, from
+// +0.0), and the result is rounded once to FP32. The scalar twin
+// (kernels::detail::matmul_bf16_axpy_scalar) follows the same order, so the tiers agree bit for
+// bit. Measured (tests/test_rounding.cpp, kv of 64 tokens at flash shapes against golden's
+// double): BF16 roundings of kv that differ from rounding the exact value: 2.4e-4 with one FP32
+// sum in ascending k (the previous order), 3.1e-5 in groups of 32, 6.1e-5 in groups of 64; 0 of
+// 65536 qr values flip. All-double would be exact but doubles the FMA work of a kernel that is
+// FMA-bound at T = 8; groups of 8 cost +16 %, of 32 +7 %, of 64 +4.9 % on qkv_projection at T = 8
+// (Xeon, Sapphire Rapids): 64 is the group inside the 5 % budget.
 // The accumulators live in an L1 stack tile of up to 256 columns (padded row stride, so the
 // tokens' rows do not alias 4 KB apart); each weight row is then read as one contiguous run of
 // up to 512 bytes — with 64-column tiles every row of a 2 KB-stride matrix touched a new page
@@ -34,6 +46,28 @@ inline constexpr std::int64_t kBf16Ahead = 16;  // rows of software prefetch dis
 // Weight rows per pass over the L1 tile: each token's accumulator vector is loaded and stored
 // once per kBf16Rows FMAs.
 inline constexpr int kBf16Rows = 8;
+// Rows per FP32 group partial (a multiple of kBf16Rows): the FP32 tile is added to the double
+// tile and restarts from +0 every kBf16GroupRows rows.
+inline constexpr int kBf16GroupRows = 64;
+
+// acc[0..8) (double) += the FP32 lanes of s.
+TILEDECODE_TARGET_AVX2 __attribute__((always_inline)) inline void add_to_f64(double* acc,
+                                                                             __m256 s) {
+  _mm256_store_pd(acc,
+                  _mm256_add_pd(_mm256_load_pd(acc), _mm256_cvtps_pd(_mm256_castps256_ps128(s))));
+  _mm256_store_pd(acc + 4, _mm256_add_pd(_mm256_load_pd(acc + 4),
+                                         _mm256_cvtps_pd(_mm256_extractf128_ps(s, 1))));
+}
+
+// The FP32 group partials acc (T rows of width, stride ld) are added to dacc; acc restarts at +0.
+TILEDECODE_TARGET_AVX2 inline void flush_group(float* acc, double* dacc, std::int64_t ld, int T,
+                                               std::int64_t width) {
+  for (int t = 0; t < T; ++t)
+    for (std::int64_t n = 0; n < width; n += 8) {
+      add_to_f64(dacc + t * ld + n, _mm256_load_ps(acc + t * ld + n));
+      _mm256_store_ps(acc + t * ld + n, _mm256_setzero_ps());
+    }
+}
 
 TILEDECODE_TARGET_AVX2 inline void matmul_bf16_axpy(float* dst, std::int64_t dst_ld, const float* x,
                                                     std::int64_t x_ld, int T, const bf16* w,
@@ -41,11 +75,15 @@ TILEDECODE_TARGET_AVX2 inline void matmul_bf16_axpy(float* dst, std::int64_t dst
                                                     std::int64_t n0, std::int64_t n1) {
   constexpr std::int64_t kTile = 256, kLd = kTile + 8;
   alignas(32) float acc[8 * kLd];
+  alignas(32) double dacc[8 * kLd];
   for (std::int64_t c0 = n0; c0 < n1; c0 += kTile) {
     const std::int64_t width = std::min(kTile, n1 - c0);
     for (int t = 0; t < T; ++t)
-      for (std::int64_t n = 0; n < width; n += 8)
+      for (std::int64_t n = 0; n < width; n += 8) {
         _mm256_store_ps(acc + t * kLd + n, _mm256_setzero_ps());
+        _mm256_store_pd(dacc + t * kLd + n, _mm256_setzero_pd());
+        _mm256_store_pd(dacc + t * kLd + n + 4, _mm256_setzero_pd());
+      }
     std::int64_t k = 0;
     for (; k + kBf16Rows <= K; k += kBf16Rows) {
       const bf16* w0 = w + k * w_ld + c0;
@@ -70,6 +108,7 @@ TILEDECODE_TARGET_AVX2 inline void matmul_bf16_axpy(float* dst, std::int64_t dst
           _mm256_store_ps(d, s);
         }
       }
+      if ((k + kBf16Rows) % kBf16GroupRows == 0) flush_group(acc, dacc, kLd, T, width);
     }
     for (; k < K; ++k) {
       for (std::int64_t n = 0; n < width; n += 8) {
@@ -81,9 +120,13 @@ TILEDECODE_TARGET_AVX2 inline void matmul_bf16_axpy(float* dst, std::int64_t dst
         }
       }
     }
+    if (K % kBf16GroupRows != 0) flush_group(acc, dacc, kLd, T, width);
     for (int t = 0; t < T; ++t)
-      for (std::int64_t n = 0; n < width; n += 8)
-        _mm256_storeu_ps(dst + t * dst_ld + c0 + n, _mm256_load_ps(acc + t * kLd + n));
+      for (std::int64_t n = 0; n < width; n += 8) {
+        const __m128 lo = _mm256_cvtpd_ps(_mm256_load_pd(dacc + t * kLd + n));
+        const __m128 hi = _mm256_cvtpd_ps(_mm256_load_pd(dacc + t * kLd + n + 4));
+        _mm256_storeu_ps(dst + t * dst_ld + c0 + n, _mm256_set_m128(hi, lo));
+      }
   }
 }
 

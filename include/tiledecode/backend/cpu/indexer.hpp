@@ -88,13 +88,14 @@ inline void score_rows_scalar(float* out, int n, const std::int8_t* rows, index_
 // Scalar twins of the query epilogue (see indexer_avx2.hpp for the operation order).
 inline void query_dequant_rope_scalar(float* x, const std::int32_t* acc, float qs, const float* ws,
                                       const float* rc, const float* rs) {
-  for (int d = 0; d < kIndexerHeadDim; ++d) x[d] = float(acc[d]) * qs * ws[d];
+  double v[kIndexerHeadDim];
+  for (int d = 0; d < kIndexerHeadDim; ++d) v[d] = double(acc[d]) * double(qs) * double(ws[d]);
   for (int i = 0; i < 32; ++i) {
-    const float e = x[64 + 2 * i], o = x[64 + 2 * i + 1];
-    x[64 + 2 * i] = std::fma(o, rs[2 * i], e * rc[2 * i]);
-    x[64 + 2 * i + 1] = std::fma(e, rs[2 * i + 1], o * rc[2 * i + 1]);
+    const double e = v[64 + 2 * i], o = v[64 + 2 * i + 1];
+    v[64 + 2 * i] = e * double(rc[2 * i]) + o * double(rs[2 * i]);
+    v[64 + 2 * i + 1] = o * double(rc[2 * i + 1]) + e * double(rs[2 * i + 1]);
   }
-  for (int d = 0; d < kIndexerHeadDim; ++d) x[d] = round_bf16(x[d]);
+  for (int d = 0; d < kIndexerHeadDim; ++d) x[d] = round_bf16(float(v[d]));
 }
 
 inline void hadamard_row_scalar(float* qh, const float* x, const float* had) {

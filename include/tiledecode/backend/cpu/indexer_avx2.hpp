@@ -171,25 +171,34 @@ TILEDECODE_TARGET_AVX2 inline void query_head_tile(std::int32_t* out, const std:
   }
 }
 
-// Query epilogue, part 1, one token of one head: x = bf16(dequant + interleaved forward RoPE).
-//   x[d] = float(acc[d]) * qs * ws[d]; for d >= 64 (pairs e = x[2i], o = x[2i+1]):
-//   e' = fma(o, -sin, e*cos), o' = fma(e, sin, o*cos); then every x[d] rounded to BF16.
-// rc / rs: 64 entries, rc[2i] = rc[2i+1] = cos_i, rs[2i] = -sin_i, rs[2i+1] = sin_i.
+// Query epilogue, part 1, one token of one head: x = bf16(dequant + interleaved forward RoPE),
+// in double so that the value rounded to BF16 is the exact one rounded once to FP32 (the INT32
+// dot is exact; the dequant and the rotation are a few products, so double costs little):
+//   v[d] = double(acc[d]) * qs * ws[d]; for d >= 64 (pairs e = v[2i], o = v[2i+1]):
+//   e' = e*cos + o*(-sin), o' = o*cos + e*sin (two products and one add, no FMA); then
+//   x[d] = bf16(float(v[d])).
+// rc / rs: 64 entries, rc[2i] = rc[2i+1] = cos_i, rs[2i] = -sin_i, rs[2i+1] = sin_i. The scalar
+// twin (kernels::detail::query_dequant_rope_scalar) performs the same double operations.
 TILEDECODE_TARGET_AVX2 inline void query_dequant_rope(float* x, const std::int32_t* acc, float qs,
                                                       const float* ws, const float* rc,
                                                       const float* rs) {
-  const __m256 qv = _mm256_set1_ps(qs);
+  const __m256d qv = _mm256_set1_pd(double(qs));
   for (int d = 0; d < 128; d += 8) {
-    __m256 v = _mm256_mul_ps(
-        _mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + d))), qv),
-        _mm256_loadu_ps(ws + d));
-    if (d >= 64) {
-      const __m256 sw = _mm256_permute_ps(v, 0xB1);  // (o, e) swapped within each pair
-      v = _mm256_fmadd_ps(sw, _mm256_loadu_ps(rs + d - 64),
-                          _mm256_mul_ps(v, _mm256_loadu_ps(rc + d - 64)));
+    __m256d v[2];
+    for (int h = 0; h < 2; ++h) {
+      const int dd = d + 4 * h;
+      v[h] = _mm256_mul_pd(
+          _mm256_mul_pd(
+              _mm256_cvtepi32_pd(_mm_loadu_si128(reinterpret_cast<const __m128i*>(acc + dd))), qv),
+          _mm256_cvtps_pd(_mm_loadu_ps(ws + dd)));
+      if (d >= 64) {
+        const __m256d sw = _mm256_permute_pd(v[h], 0x5);  // (o, e) swapped within each pair
+        v[h] = _mm256_add_pd(_mm256_mul_pd(v[h], _mm256_cvtps_pd(_mm_loadu_ps(rc + dd - 64))),
+                             _mm256_mul_pd(sw, _mm256_cvtps_pd(_mm_loadu_ps(rs + dd - 64))));
+      }
     }
-    const __m128i h = round_bf16x8(v);
+    const __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(v[1]), _mm256_cvtpd_ps(v[0]));
+    const __m128i h = round_bf16x8(f);
     _mm256_storeu_ps(x + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
   }
 }

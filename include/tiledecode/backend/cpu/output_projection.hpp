@@ -57,16 +57,9 @@ struct Layout {
 struct ScalarOps {
   static void a_chunk(float* out, std::int64_t ldout, const float* o, std::int64_t ldo, int nt,
                       const bf16* w, std::int64_t ldw, int nr, int kc, int /*nr_pf*/) {
-    for (int t = 0; t < nt; ++t)
-      for (int r = 0; r < nr; ++r) {
-        // Eight interleaved partial sums (as the SIMD lanes): a single running FP32 sum over
-        // 4096 products drifts enough to flip Q8 roundings downstream.
-        float lane[8] = {};
-        for (int k = 0; k < kc; ++k) lane[k % 8] += o[t * ldo + k] * w[r * ldw + k].to_float();
-        float acc = 0;
-        for (float v : lane) acc += v;
-        out[t * ldout + r] += acc;
-      }
+    // The shared two-level order (8 FP32 lanes per 64-k block, double across blocks): a single
+    // running FP32 sum over 4096 products drifts enough to flip Q8 roundings downstream.
+    cpu::bf16_rows_dot_scalar<true>(out, ldout, o, ldo, nt, w, ldw, nr, kc);
   }
   static void b_pair(std::int32_t* p, std::int64_t ldp, const std::int8_t* a, std::int64_t lda,
                      int nt, const std::int8_t* w, std::int64_t ldw, int kr,

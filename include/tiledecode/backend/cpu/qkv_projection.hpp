@@ -1,9 +1,12 @@
 #pragma once
 // q / kv projections (kernels/qkv_projection.hpp) on the CPU backend.
 // Numerical contract (the golden twin follows it too):
-//   * x_n @ wq_a and x_n @ wkv: BF16 × BF16 products (exact in FP32) summed in FP32 in ascending
-//     k — the spec's "FP32 accumulation" with its order fixed, so fast path and golden agree
-//     bit for bit; qr @ wq_b: exact INT32.
+//   * x_n @ wq_a and x_n @ wkv: BF16 × BF16 products (exact in FP32) summed in FP32 over groups
+//     of 64 consecutive k, the groups in double (decode_avx2.hpp, matmul_bf16_axpy): at least the
+//     spec's "FP32 accumulation", with its order fixed so every tier gives the same bits, and
+//     close enough to the exact dot that Q8 of cq and BF16 of kv round as the exact values do
+//     (rates in tests/test_numerics.cpp, "rounding"); golden sums in double; qr @ wq_b: exact
+//     INT32.
 //   * everything after the matmuls runs in double: the RMSNorms (Σx² , r = 1/sqrt(Σx²/n + eps),
 //     x·r·gamma), the dequant acc·qr_scale·wq_b_scale, the per-head RMSNorm and the forward RoPE
 //     (interleaved pairs, BF16 table values); results are stored as FP32 (cq, kvf) or rounded
@@ -18,6 +21,7 @@
 // element has one producer and a fixed order: results do not depend on the thread count, and the
 // scalar, AVX2 and AVX-VNNI paths give identical matmul results.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -32,29 +36,39 @@ namespace tiledecode {
 namespace kernels {
 
 namespace detail {
-// Scalar twins of the AVX2 axpy matmuls (same order of summation).
+// Scalar twins of the AVX2 axpy matmuls (same order of summation: for the BF16 one, groups of
+// cpu::avx2::kBf16GroupRows rows summed in FP32, the groups in double; see decode_avx2.hpp).
+// T <= 8.
+inline constexpr int kBf16GroupRows = 64;  // = cpu::avx2::kBf16GroupRows (x86 only)
+#if TILEDECODE_X86
+static_assert(kBf16GroupRows == cpu::avx2::kBf16GroupRows, "the tiers' BF16 matmul groups differ");
+#endif
 inline void matmul_bf16_axpy_scalar(float* dst, index_t dst_ld, const float* x, index_t x_ld, int T,
                                     const bf16* w, index_t w_ld, index_t K, index_t n0,
                                     index_t n1) {
-  for (int t = 0; t < T; ++t)
-    for (index_t n = n0; n < n1; ++n) dst[t * dst_ld + n] = 0.0f;
-  for (index_t k = 0; k < K; ++k) {
-    const bf16* wr = w + k * w_ld;
-    for (int t = 0; t < T; ++t) {
-      const float a = x[t * x_ld + k];
-      float* d = dst + t * dst_ld;
-      for (index_t n = n0; n < n1; ++n) d[n] += a * wr[n].to_float();
+  constexpr index_t kTile = 256;
+  double acc[8][kTile];
+  float part[8][kTile];
+  for (index_t c0 = n0; c0 < n1; c0 += kTile) {
+    const index_t width = std::min(kTile, n1 - c0);
+    for (int t = 0; t < T; ++t)
+      for (index_t n = 0; n < width; ++n) acc[t][n] = 0.0;
+    for (index_t k0 = 0; k0 < K; k0 += kBf16GroupRows) {
+      const index_t k1 = std::min<index_t>(K, k0 + kBf16GroupRows);
+      for (int t = 0; t < T; ++t)
+        for (index_t n = 0; n < width; ++n) part[t][n] = 0.0f;
+      for (index_t k = k0; k < k1; ++k) {
+        const bf16* wr = w + k * w_ld + c0;
+        for (int t = 0; t < T; ++t) {
+          const float a = x[t * x_ld + k];
+          for (index_t n = 0; n < width; ++n) part[t][n] += a * wr[n].to_float();
+        }
+      }
+      for (int t = 0; t < T; ++t)
+        for (index_t n = 0; n < width; ++n) acc[t][n] += double(part[t][n]);
     }
-  }
-}
-
-// Forward interleaved rotation of n dims in double with the BF16 table row (spec §5).
-inline void rope_forward_f64(double* x, const bf16* cos_row, const bf16* sin_row, index_t n) {
-  for (index_t i = 0; i < n / 2; ++i) {
-    const double c = cos_row[i].to_float(), sn = sin_row[i].to_float();
-    const double e = x[2 * i], o = x[2 * i + 1];
-    x[2 * i] = e * c - o * sn;
-    x[2 * i + 1] = e * sn + o * c;
+    for (int t = 0; t < T; ++t)
+      for (index_t n = 0; n < width; ++n) dst[t * dst_ld + c0 + n] = float(acc[t][n]);
   }
 }
 
@@ -182,7 +196,7 @@ struct backend_ops_qkv_projection {
     for (index_t i = 0; i < HD; ++i)
       kd[i] = double(kvr[i]) * r * double(a.w.gamma_ckv(i).to_float());
     const index_t pos = a.positions(t);
-    kernels::detail::rope_forward_f64(kd + NOPE, a.rope.cos_row(pos), a.rope.sin_row(pos), RD);
+    rope_forward_f64(kd + NOPE, a.rope.cos_row(pos), a.rope.sin_row(pos), RD);
     bf16* kvd = a.kv.data() + t * a.kv.stride(0);
     for (index_t i = 0; i < HD; ++i) kvd[i] = bf16(float(kd[i]));
   }
@@ -236,8 +250,7 @@ struct backend_ops_qkv_projection {
           const double r = 1.0 / std::sqrt(ss / double(HD) + double(a.cfg->rms_eps));
           for (index_t n = 0; n < HD; ++n) qf[n] *= r;
           const index_t pos = a.positions(t);
-          kernels::detail::rope_forward_f64(qf + NOPE, a.rope.cos_row(pos), a.rope.sin_row(pos),
-                                            RD);
+          rope_forward_f64(qf + NOPE, a.rope.cos_row(pos), a.rope.sin_row(pos), RD);
           bf16* qd = a.q.data() + t * a.q.stride(0) + h * a.q.stride(1);
           for (index_t n = 0; n < HD; ++n) qd[n] = bf16(float(qf[n]));
         }
