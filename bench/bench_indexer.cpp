@@ -4,11 +4,12 @@
 // Counters: OP/s (2 OP per int8 multiply-add), bytes/s (bytes the kernel must touch), and for
 // the score and the query the share of this machine's INT8 ceilings measured in the same process:
 //   pct_of_ceiling       score: vs a register-only loop of the score kernel's own instruction mix
-//                        (avx2: vpmaddwd + vpaddd; avx2_vnni: vpdpbusd; 8 accumulators);
-//                        query: vs tdbench::int8_ceiling_gops(isa)
-//   pct_of_int8_peak     vs tdbench::int8_ceiling_gops(isa): the best INT8 mix the ISA has
-//                        (AVX2 mixes; on avx2_vnni also vpdpbusd)
-//   isa                  0 scalar, 1 avx2, 2 avx2_vnni (BM_indexer_score_avx2 and
+//                        (avx2: vpmaddwd + vpaddd; avx2_vnni: 256-bit vpdpbusd; avx512: 512-bit
+//                        vpdpbusd);
+//                        query: vs tdbench::int8_machine_gops()
+//   pct_of_int8_peak     vs tdbench::int8_machine_gops(): the best INT8 loop of this machine,
+//                        whatever tier ran (AVX2 mixes, 256-bit and 512-bit vpdpbusd)
+//   isa                  0 scalar, 1 avx2, 2 avx2_vnni, 3 avx512 (BM_indexer_score_avx2 and
 //                        BM_indexer_query_avx2 force avx2 for the tier comparison)
 // Run: bench_indexer --benchmark_min_time=0.05 [--benchmark_format=json]
 
@@ -40,8 +41,9 @@ using td::index_t;
 namespace {
 
 // Single-thread GOP/s of the score kernel's instruction mix, register-only (bench/ceilings.hpp):
-// pre-widened int16 vpmaddwd on avx2, vpdpbusd on avx2_vnni.
+// pre-widened int16 vpmaddwd on avx2, 256-bit vpdpbusd on avx2_vnni, 512-bit on avx512.
 double score_mix_gops(td::cpu::Isa isa) {
+  if (isa == td::cpu::Isa::avx512) return tdbench::int8_vnni512_gops();
   return isa == td::cpu::Isa::avx2_vnni ? tdbench::int8_vnni_gops()
                                         : tdbench::int8_mix_gops<tdbench::Int8Mix::madd16>();
 }
@@ -176,7 +178,7 @@ std::int64_t query_macs(const Step& s) {
 void score_bench(benchmark::State& st, td::cpu::Isa isa) {
   Step& s = step(int(st.range(0)), int(st.range(1)));
   const auto ctx = context(int(st.range(2)), isa);
-  const double ceiling = tdbench::int8_ceiling_gops(isa), mix = score_mix_gops(isa);
+  const double ceiling = tdbench::int8_machine_gops(), mix = score_mix_gops(isa);
   const double sec = timed_loop(st, [&] {
     run_score(ctx, s);
     benchmark::DoNotOptimize(s.score.data());
@@ -211,7 +213,7 @@ void query_bench(benchmark::State& st, td::cpu::Isa isa) {
   st.counters["OP/s"] = gops * 1e9;
   st.counters["bytes/s"] =
       (double(s.cfg.q_lora) * 8192 + 8192 * 4 + double(s.T) * (s.cfg.q_lora + 64 * 132)) * per_s;
-  st.counters["pct_of_ceiling"] = 100.0 * gops / tdbench::int8_ceiling_gops(isa);
+  st.counters["pct_of_ceiling"] = 100.0 * gops / tdbench::int8_machine_gops();
   st.counters["isa"] = double(static_cast<int>(isa));
 }
 
@@ -219,10 +221,11 @@ void BM_indexer_query(benchmark::State& st) {
   query_bench(st, td::cpu::detect_isa());
 }
 
-// The avx2 tier on an AVX-VNNI machine (skipped elsewhere): a VNNI kernel's gain, same process.
+// The avx2 tier on a VNNI machine (AVX-VNNI or AVX-512; skipped elsewhere): a VNNI kernel's gain,
+// same process.
 void avx2_tier_bench(benchmark::State& st, void (*bench)(benchmark::State&, td::cpu::Isa)) {
-  if (td::cpu::detect_isa() != td::cpu::Isa::avx2_vnni) {
-    st.SkipWithError("no AVX-VNNI: the detected-ISA benchmark already runs the avx2 tier");
+  if (!td::cpu::has_vnni(td::cpu::detect_isa())) {
+    st.SkipWithError("no VNNI tier: the detected-ISA benchmark already runs the avx2 tier");
     return;
   }
   bench(st, td::cpu::Isa::avx2);

@@ -65,7 +65,7 @@ struct QkvProblem {
         v.data()[i] = bf16(float(int((i + k) % 59) - 29) * 1e-3f);
       for (std::size_t i = 0; i < b.size(); ++i)
         b.data()[i] = std::int8_t(int((i * 7 + k) % 255) - 127);
-      if (td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni))
+      if (td::cpu::has_vnni(td::cpu::detect_isa()))
         wq_b_packed.push_back(td::kernels::pack_qkv_wq_b(cfg, b.view()));
     }
     gamma_cq = td::Tensor<bf16, 1>({QL});
@@ -132,7 +132,7 @@ void bm_qkv(benchmark::State& state, td::ModelConfig cfg, bool packed) {
   // per call; several: compute ceiling × threads and read_gbps(threads) against wall time (rate
   // counters: value · iterations ÷ elapsed seconds).
   const double fma1 = tdbench::fp32_fma_gflops_cpu() * 1e9;
-  const double i8_1 = tdbench::int8_ceiling_gops<true>(ctx.isa) * 1e9;  // VNNI on avx2_vnni
+  const double i8_1 = tdbench::int8_machine_gops<true>() * 1e9;  // the machine's best INT8 loop
   if (threads == 1) {
     const double t_cmp = flops / fma1 + ops / i8_1,
                  t_mem = bytes / (tdbench::read_gbps_cpu() * 1e9);

@@ -5,9 +5,11 @@
 // timed with the calling thread's CPU clock), and compute efficiencies are CPU-time ratios: FLOP
 // per CPU-second of the kernel (process CPU time, all its threads) ÷ FLOP per CPU-second of the
 // FMA loop. That ratio is the share of the FMA ceiling per busy core, and it does not move with
-// the load. The output projection's INT8 ceiling is the best exact s8 × s8 mix of the ISA it runs
-// (tdbench::int8_ceiling_gops<true>(isa): the AVX2 mixes, plus vpdpbusd on avx2_vnni, whose
-// wo_b tile uses it); oproj_flash_avx2 forces the avx2 tier on a VNNI machine (A/B).
+// the load. The output projection's INT8 ceiling is the best exact s8 × s8 loop of the machine
+// (tdbench::int8_machine_gops<true>(): the AVX2 mixes, 256-bit vpdpbusd where the CPU has
+// AVX-VNNI, 512-bit where it has AVX-512), whatever tier ran, and the FMA ceiling the better of
+// the 256- and 512-bit loops; oproj_flash_avx2 forces the avx2 tier on a VNNI machine (A/B). The
+// `ceilings` row's label names the loops that set them.
 //   sparse attention: FLOP = Σ_t valid_cols(t) · H · 512 · 4 (QKᵀ and PV, 2 FLOP per FMA lane);
 //     pct_of_ceiling      = (FLOP / kernel CPU-s) ÷ cpu_fma_gflops          (per busy core)
 //     pct_of_ceiling_wall = (FLOP / wall-s) ÷ (tdbench::fp32_fma_gflops() · threads)
@@ -50,8 +52,8 @@ using tdbench::process_cpu_seconds;
 double cpu_fma_gflops() {
   return tdbench::fp32_fma_gflops_cpu();
 }
-double cpu_int8_gops(td::cpu::Isa isa = td::cpu::detect_isa()) {
-  return tdbench::int8_ceiling_gops<true>(isa);
+double cpu_int8_gops() {
+  return tdbench::int8_machine_gops<true>();
 }
 double cpu_read_gbps() {
   return tdbench::read_gbps_cpu();
@@ -194,7 +196,7 @@ void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int threa
   const double bytes = G * R * K * 2 + N * G * R + T * G * K * 2 + T * N * 2;
   // Roofline times: memory (wall, `threads` readers) and compute (CPU-s of one core).
   const double t_mem = bytes / (tdbench::read_gbps(threads) * 1e9);
-  const double c_cmp = flops_a / (cpu_fma_gflops() * 1e9) + ops_b / (cpu_int8_gops(isa) * 1e9);
+  const double c_cmp = flops_a / (cpu_fma_gflops() * 1e9) + ops_b / (cpu_int8_gops() * 1e9);
   const double t = secs / n, c = cpu / n;
   // One thread: bandwidth per CPU-second against the CPU-time read ceiling (robust to the load);
   // several threads: wall-clock bandwidth against read_gbps(threads).
@@ -206,7 +208,7 @@ void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int threa
   state.counters["read_ceiling_gbps"] = tdbench::read_gbps(threads);
   state.counters["cpu_read_gbps"] = cpu_read_gbps();
   state.counters["gbytes_per_cpu_s"] = bytes / c * 1e-9;
-  state.counters["cpu_int8_gops"] = cpu_int8_gops(isa);
+  state.counters["cpu_int8_gops"] = cpu_int8_gops();
   state.counters["isa"] = double(static_cast<int>(isa));
   state.counters["pct_of_read_bw"] = pct_mem;
   state.counters["pct_of_compute"] = pct_cmp;
@@ -229,6 +231,11 @@ void bm_ceilings(benchmark::State& state) {
   state.counters["cpu_read_gbps"] = cpu_read_gbps();
   state.counters["cpu_int8_sign_gops"] = tdbench::int8_mix_gops<tdbench::Int8Mix::sign, true>();
   state.counters["cpu_int8_vnni_gops"] = tdbench::int8_vnni_gops<true>();
+  state.counters["cpu_int8_vnni512_gops"] = tdbench::int8_vnni512_gops<true>();
+  state.counters["cpu_fma512_gflops"] = tdbench::fp32_fma512_gflops<true>();
+  state.counters["cpu_bf16_dot_gflops"] = tdbench::bf16_dot_gflops<true>();
+  state.SetLabel(std::string("fp32 ceiling ") + tdbench::fp32_fma_kind() + ", int8 ceiling " +
+                 tdbench::int8_machine_kind());
 }
 
 const int kRegistered = [] {
@@ -265,7 +272,7 @@ const int kRegistered = [] {
                                td::cpu::detect_isa())
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
-  if (td::cpu::detect_isa() == td::cpu::Isa::avx2_vnni) {
+  if (td::cpu::has_vnni(td::cpu::detect_isa())) {
     benchmark::RegisterBenchmark("oproj_flash_avx2/B:4/S:2/threads:1", bm_oproj, td::flash_config(),
                                  4, 1, td::cpu::Isa::avx2)
         ->Unit(benchmark::kMillisecond)

@@ -1,15 +1,22 @@
 #pragma once
 // Machine ceilings measured in the same process as the kernels they bound. Wall clock:
 //   fp32_fma_gflops()
-//       register-only FMA loop, 12 independent chains, 2 FLOP per lane per FMA; 1 thread.
+//       register-only FMA loop, 12 independent chains, 2 FLOP per lane per FMA; 1 thread. The
+//       best of the 256-bit loop and, where the CPU has AVX-512, the 512-bit one: the machine's
+//       FP32 ceiling whatever tier a kernel runs (fp32_fma_kind() names the loop that set it).
 //   fp32_fma_gflops_threads(n)
 //       the same loop on n threads at once, aggregate GFLOP/s (does 2 cores give 2x one core?).
 //   int8_gops()
 //       register-only INT8 multiply-add loops (the sign-trick vpmaddubsw mix and the widening
 //       vpmaddwd mix), the better of the two; 2 OP per int8 pair; 1 thread.
-//   int8_vnni_gops(), int8_ceiling_gops(isa)
-//       the AVX-VNNI loop (vpdpbusd, 32 pairs per instruction; 0 without AVX-VNNI), and the
-//       ceiling of the INT8 instructions a kernel running with `isa` can use.
+//   int8_vnni_gops(), int8_vnni512_gops(), int8_ceiling_gops(isa), int8_machine_gops()
+//       the AVX-VNNI loop (256-bit vpdpbusd, 32 pairs per instruction; 0 without AVX-VNNI), the
+//       AVX-512 VNNI loop (512-bit vpdpbusd, 64 pairs; 0 without the avx512 tier), the ceiling
+//       of the INT8 instructions a kernel running with `isa` can use, and the best INT8 ceiling
+//       of the machine (int8_machine_kind() names its loop) that pct_of_ceiling uses.
+//   fp32_fma512_gflops(), bf16_dot_gflops()
+//       the 512-bit FMA loop and the vdpbf16ps loop (BF16 pairs into FP32, 2 FLOP per pair);
+//       0 without the avx512 tier.
 //   read_gbps(n)
 //       streaming read bandwidth over a 256 MiB buffer with n threads.
 // CPU time of the calling thread (robust to other jobs on a shared machine; per busy core):
@@ -25,10 +32,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <ctime>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 #include "tiledecode/backend/cpu/isa.hpp"
+#include "tiledecode/backend/cpu/simd/avx512.hpp"
 #include "tiledecode/backend/cpu/simd/avx_vnni.hpp"
 
 namespace tdbench {
@@ -242,6 +251,70 @@ TILEDECODE_TARGET_AVX2 inline int int8_tile_mix_loop(std::int64_t iters) {
   for (int k = 1; k < 8; ++k) s = _mm256_add_epi32(s, c[k]);
   return _mm256_extract_epi32(s, 0);
 }
+// The AVX-512 loops (Isa::avx512): 12 independent chains of the 512-bit FMA, vpdpbusd and
+// vdpbf16ps (enough in flight for two 512-bit pipes at 4-6 cycles' latency).
+TILEDECODE_AVX512_BEGIN
+TILEDECODE_TARGET_AVX512 inline float fma512_loop(std::int64_t iters) {
+  __m512 a[12];
+  for (int k = 0; k < 12; ++k) {
+    a[k] = _mm512_set1_ps(0.1f + 0.01f * float(k));
+    TDBENCH_OPAQUE(a[k]);
+  }
+  __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
+  TDBENCH_OPAQUE(m);
+  TDBENCH_OPAQUE(c);
+  for (std::int64_t i = 0; i < iters; ++i) {
+    for (int k = 0; k < 12; ++k) a[k] = _mm512_fmadd_ps(a[k], m, c);
+  }
+  __m512 s = a[0];
+  for (int k = 1; k < 12; ++k) s = _mm512_add_ps(s, a[k]);
+  alignas(64) float out[16];
+  _mm512_store_ps(out, s);
+  return out[0];
+}
+
+TILEDECODE_TARGET_AVX512 inline int int8_vnni512_loop(std::int64_t iters) {
+  namespace v = tiledecode::cpu::avx512;
+  __m512i k[4] = {_mm512_set1_epi8(3), _mm512_set1_epi8(-5), _mm512_set1_epi8(7),
+                  _mm512_set1_epi8(-9)};
+  __m512i b0 = _mm512_set1_epi8(11), b1 = _mm512_set1_epi8(13), b2 = _mm512_set1_epi8(17);
+  __m512i c[12];
+  for (auto& x : c) x = _mm512_setzero_si512();
+  for (std::int64_t i = 0; i < iters; ++i) {
+    TDBENCH_OPAQUE(b0);
+    TDBENCH_OPAQUE(b1);
+    TDBENCH_OPAQUE(b2);
+    for (int j = 0; j < 4; ++j) {
+      c[j] = v::dpbusd(c[j], b0, k[j]);
+      c[4 + j] = v::dpbusd(c[4 + j], b1, k[j]);
+      c[8 + j] = v::dpbusd(c[8 + j], b2, k[j]);
+    }
+  }
+  __m512i s = c[0];
+  for (int j = 1; j < 12; ++j) s = _mm512_add_epi32(s, c[j]);
+  return _mm256_extract_epi32(v::fold_epi32(s), 0);
+}
+
+TILEDECODE_TARGET_AVX512 inline float bf16_dot_loop(std::int64_t iters) {
+  __m512 a[12];
+  for (int k = 0; k < 12; ++k) {
+    a[k] = _mm512_set1_ps(0.01f * float(k));
+    TDBENCH_OPAQUE(a[k]);
+  }
+  __m512i x = _mm512_set1_epi16(0x3F80), y = _mm512_set1_epi16(0x3727);  // BF16 1.0, ~1e-5
+  TDBENCH_OPAQUE(x);
+  TDBENCH_OPAQUE(y);
+  for (std::int64_t i = 0; i < iters; ++i) {
+    for (int k = 0; k < 12; ++k) a[k] = _mm512_dpbf16_ps(a[k], (__m512bh)x, (__m512bh)y);
+  }
+  __m512 s = a[0];
+  for (int k = 1; k < 12; ++k) s = _mm512_add_ps(s, a[k]);
+  alignas(64) float out[16];
+  _mm512_store_ps(out, s);
+  return out[0];
+}
+TILEDECODE_AVX512_END
+
 #undef TDBENCH_OPAQUE
 #endif
 
@@ -261,6 +334,39 @@ inline double fma_rate(bool cpu_time) {
   const double s = median_time(cpu_time, [&] { sink = sink + fma_loop(iters); });
   return double(iters) * 12 * 8 * 2 / s * 1e-9;
 #else
+  (void)cpu_time;
+  return 0.0;
+#endif
+}
+
+// The AVX-512 loops' rates (0 without the avx512 tier): FP32 FMA and vdpbf16ps in GFLOP/s
+// (2 FLOP per lane per FMA, 2 per BF16 pair), vpdpbusd in GOP/s (2 OP per int8 pair).
+enum class Avx512Loop { fma, vnni, bf16 };
+inline double avx512_rate(Avx512Loop loop, bool cpu_time) {
+#if TILEDECODE_X86
+  if (!tiledecode::cpu::cpu_has_avx512()) return 0.0;
+  volatile float fsink = 0;
+  volatile int isink = 0;
+  switch (loop) {
+    case Avx512Loop::fma: {
+      const std::int64_t iters = 10'000'000;
+      const double s = median_time(cpu_time, [&] { fsink = fsink + fma512_loop(iters); });
+      return double(iters) * 12 * 16 * 2 / s * 1e-9;
+    }
+    case Avx512Loop::vnni: {
+      const std::int64_t iters = 5'000'000;
+      const double s = median_time(cpu_time, [&] { isink = isink + int8_vnni512_loop(iters); });
+      return double(iters) * 12 * 64 * 2 / s * 1e-9;
+    }
+    case Avx512Loop::bf16: {
+      const std::int64_t iters = 10'000'000;
+      const double s = median_time(cpu_time, [&] { fsink = fsink + bf16_dot_loop(iters); });
+      return double(iters) * 12 * 32 * 2 / s * 1e-9;
+    }
+  }
+  return 0.0;
+#else
+  (void)loop;
   (void)cpu_time;
   return 0.0;
 #endif
@@ -338,16 +444,41 @@ void run_on_threads(int threads, F&& f) {
 
 }  // namespace detail
 
-// Single-thread FP32 FMA ceiling in GFLOP/s (2 FLOP per lane per FMA), wall clock.
+// The AVX-512 loops, measured once per process (0 without the avx512 tier): 512-bit FP32 FMA
+// (GFLOP/s), vdpbf16ps (GFLOP/s, 2 per BF16 pair), 512-bit vpdpbusd (GOP/s); kCpuTime: per
+// CPU-second of the calling thread.
+template <bool kCpuTime = false>
+double fp32_fma512_gflops() {
+  static const double v = detail::avx512_rate(detail::Avx512Loop::fma, kCpuTime);
+  return v;
+}
+template <bool kCpuTime = false>
+double bf16_dot_gflops() {
+  static const double v = detail::avx512_rate(detail::Avx512Loop::bf16, kCpuTime);
+  return v;
+}
+template <bool kCpuTime = false>
+double int8_vnni512_gops() {
+  static const double v = detail::avx512_rate(detail::Avx512Loop::vnni, kCpuTime);
+  return v;
+}
+
+// Single-thread FP32 FMA ceiling in GFLOP/s (2 FLOP per lane per FMA), wall clock: the better of
+// the 256-bit and the 512-bit loop (the machine's ceiling, whatever tier the kernel ran).
 inline double fp32_fma_gflops() {
-  static const double v = detail::fma_rate(false);
+  static const double v = std::max(detail::fma_rate(false), fp32_fma512_gflops<false>());
   return v;
 }
 
 // The same, per CPU-second of the calling thread: the per-busy-core ceiling on a shared machine.
 inline double fp32_fma_gflops_cpu() {
-  static const double v = detail::fma_rate(true);
+  static const double v = std::max(detail::fma_rate(true), fp32_fma512_gflops<true>());
   return v;
+}
+
+// Which loop sets fp32_fma_gflops(): "fma512" or "fma256".
+inline const char* fp32_fma_kind() {
+  return fp32_fma512_gflops<false>() > detail::fma_rate(false) ? "fma512" : "fma256";
 }
 
 // Aggregate FP32 FMA rate (GFLOP/s, wall clock) of `threads` threads each running fma_loop at
@@ -358,14 +489,17 @@ inline double fp32_fma_gflops_threads(int threads) {
   return detail::cached_for(cache, threads, [threads]() -> double {
 #if TILEDECODE_X86
     if (!tiledecode::cpu::cpu_has_avx2()) return 0.0;
-    const std::int64_t iters = 20'000'000;
+    // The loop that sets fp32_fma_gflops() (512-bit where it is faster).
+    const bool wide = std::string_view(fp32_fma_kind()) == "fma512";
+    const std::int64_t iters = wide ? 10'000'000 : 20'000'000;
     std::vector<float> out(threads);
     volatile float sink = 0;
     const double s = median_seconds([&] {
-      detail::run_on_threads(threads, [&](int k) { out[k] = fma_loop(iters); });
+      detail::run_on_threads(threads,
+                             [&](int k) { out[k] = wide ? fma512_loop(iters) : fma_loop(iters); });
       for (float o : out) sink = sink + o;
     });
-    return double(threads) * double(iters) * 12 * 8 * 2 / s * 1e-9;
+    return double(threads) * double(iters) * 12 * (wide ? 16 : 8) * 2 / s * 1e-9;
 #else
     return 0.0;
 #endif
@@ -407,13 +541,34 @@ double int8_vnni_gops() {
   return int8_mix_gops<Int8Mix::vnni, kCpuTime>();
 }
 
-// The INT8 ceiling of the instructions a kernel running with `isa` may use: the AVX2 mixes, and
-// vpdpbusd on Isa::avx2_vnni (the tier of the indexer score and query GEMM, o-proj's wo_b and the
-// q/kv wq_b matmul VNNI paths); int8_gops() is the AVX2-only ceiling.
+// The INT8 ceiling of the instructions a kernel running with `isa` may use: the AVX2 mixes,
+// 256-bit vpdpbusd on Isa::avx2_vnni and 512-bit vpdpbusd on Isa::avx512 (the tiers of the
+// indexer score and query GEMM, o-proj's wo_b and the q/kv wq_b matmul VNNI paths); int8_gops()
+// is the AVX2-only ceiling.
 template <bool kCpuTime = false>
 double int8_ceiling_gops(tiledecode::cpu::Isa isa) {
   const double avx2 = int8_best_gops<kCpuTime>();
+  if (isa == tiledecode::cpu::Isa::avx512) return std::max(avx2, int8_vnni512_gops<kCpuTime>());
   return isa == tiledecode::cpu::Isa::avx2_vnni ? std::max(avx2, int8_vnni_gops<kCpuTime>()) : avx2;
+}
+
+// The best INT8 ceiling of the machine (every tier it runs), what pct_of_ceiling is measured
+// against whatever tier a kernel ran: a kernel on the avx2 tier of an AVX-512 machine is held to
+// the 512-bit vpdpbusd.
+template <bool kCpuTime = false>
+double int8_machine_gops() {
+  double best = 0;
+  for (tiledecode::cpu::Isa isa : tiledecode::cpu::supported_isas())
+    best = std::max(best, int8_ceiling_gops<kCpuTime>(isa));
+  return best;
+}
+
+// Which loop sets int8_machine_gops(): "vpdpbusd512", "vpdpbusd256" or "avx2_int8".
+inline const char* int8_machine_kind() {
+  const double best = int8_machine_gops<false>();
+  if (best > 0 && best == int8_vnni512_gops<false>()) return "vpdpbusd512";
+  if (best > 0 && best == int8_vnni_gops<false>()) return "vpdpbusd256";
+  return "avx2_int8";
 }
 
 // Streaming read bandwidth (GB/s) with `threads` threads over a 256 MiB buffer, wall clock.

@@ -8,7 +8,7 @@
 // each layer's x_out feeds the next layer's x_hc (no MoE between them here).
 //
 //   decode_step [--layers 4] [--preset flash|pro] [--context 8192] [--batch 4] [--steps 16]
-//               [--seq 2] [--threads N] [--isa scalar|avx2|avx2_vnni] [--seed S] [--check]
+//               [--seq 2] [--threads N] [--isa scalar|avx2|avx2_vnni|avx512] [--seed S] [--check]
 //               [--dump DIR] [--dump-weights] [--backend cpu|a2a3] [--trace FILE]
 //
 // --backend cpu (default): prints a per-kernel wall-time table, tokens/s and peak memory.
@@ -70,7 +70,8 @@ struct Options {
 [[noreturn]] void usage(int code) {
   std::printf(
       "usage: decode_step [--layers N] [--preset flash|pro] [--context C] [--batch B] [--steps N]\n"
-      "                   [--threads N] [--isa scalar|avx2|avx2_vnni] [--seed S] [--check] [--dump "
+      "                   [--threads N] [--isa scalar|avx2|avx2_vnni|avx512] [--seed S] [--check] "
+      "[--dump "
       "DIR]\n"
       "                   [--dump-weights] [--backend cpu|a2a3] [--seq S] [--trace FILE]\n");
   std::exit(code);

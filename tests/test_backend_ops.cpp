@@ -3,7 +3,8 @@
 //
 //   kernels   hc_pre, rmsnorm, qkv_proj_rope, kv_cache_write, compressor, idx_compressor,
 //             indexer_query (+ weights), indexer_score, indexer_topk, sparse_attn, o_proj, hc_post
-//   backends  scalar, avx2, avx2_vnni (the CPU tiers; a tier this CPU lacks is skipped with a
+//   backends  scalar, avx2, avx2_vnni, avx512 (the CPU tiers; a tier this CPU lacks is skipped with
+//   a
 //             message) and a2a3 (the Ascend execution model)
 //   cases     per family (SWA, CSA, HCA) the spec's canonical start set (§10.3, all tokens
 //             committed) and a seeded random start set (MTP, commit_tokens = 1)
@@ -45,9 +46,9 @@ using td::decode::Kernel;
 namespace {
 
 // ---- the backends --------------------------------------------------------------------------
-enum class BackendId { scalar, avx2, avx2_vnni, a2a3 };
+enum class BackendId { scalar, avx2, avx2_vnni, avx512, a2a3 };
 constexpr BackendId kBackendIds[] = {BackendId::scalar, BackendId::avx2, BackendId::avx2_vnni,
-                                     BackendId::a2a3};
+                                     BackendId::avx512, BackendId::a2a3};
 
 constexpr const char* name_of(BackendId b) {
   switch (b) {
@@ -57,6 +58,8 @@ constexpr const char* name_of(BackendId b) {
       return "avx2";
     case BackendId::avx2_vnni:
       return "avx2_vnni";
+    case BackendId::avx512:
+      return "avx512";
     case BackendId::a2a3:
       return "a2a3";
   }
@@ -77,6 +80,10 @@ struct backend_type<BackendId::avx2> {
 template <>
 struct backend_type<BackendId::avx2_vnni> {
   using type = td::cpu::Cpu<td::cpu::Isa::avx2_vnni>;
+};
+template <>
+struct backend_type<BackendId::avx512> {
+  using type = td::cpu::Cpu<td::cpu::Isa::avx512>;
 };
 template <>
 struct backend_type<BackendId::a2a3> {
@@ -125,6 +132,8 @@ bool implements_kernel(BackendId b, Kernel k) {
       return implements_kernel<backend_type<BackendId::avx2>::type>(k);
     case BackendId::avx2_vnni:
       return implements_kernel<backend_type<BackendId::avx2_vnni>::type>(k);
+    case BackendId::avx512:
+      return implements_kernel<backend_type<BackendId::avx512>::type>(k);
     case BackendId::a2a3:
       return implements_kernel<backend_type<BackendId::a2a3>::type>(k);
   }
@@ -143,18 +152,28 @@ constexpr bool implements_all() {
 static_assert(implements_all<backend_type<BackendId::scalar>::type>());
 static_assert(implements_all<backend_type<BackendId::avx2>::type>());
 static_assert(implements_all<backend_type<BackendId::avx2_vnni>::type>());
+static_assert(implements_all<backend_type<BackendId::avx512>::type>());
 static_assert(implements_all<backend_type<BackendId::a2a3>::type>());
+
+// The CPU tier of a CPU backend (scalar for the a2a3 model, which runs on its own).
+td::cpu::Isa isa_of(BackendId b) {
+  return b == BackendId::avx2        ? td::cpu::Isa::avx2
+         : b == BackendId::avx2_vnni ? td::cpu::Isa::avx2_vnni
+         : b == BackendId::avx512    ? td::cpu::Isa::avx512
+                                     : td::cpu::Isa::scalar;
+}
 
 // Whether this machine can run backend b (CPU tiers need the CPU's features; the a2a3 model runs
 // anywhere), and why not.
 bool available(BackendId b, std::string* why) {
   using td::cpu::Isa;
-  const Isa isa = b == BackendId::avx2        ? Isa::avx2
-                  : b == BackendId::avx2_vnni ? Isa::avx2_vnni
-                                              : Isa::scalar;
+  const Isa isa = isa_of(b);
   if (b == BackendId::a2a3 || td::cpu::cpu_supports(isa)) return true;
   *why = std::string("this CPU lacks the ") + name_of(b) + " tier (" +
-         (b == BackendId::avx2 ? "AVX2 + FMA" : "AVX2 + AVX-VNNI") + ")";
+         (b == BackendId::avx2        ? "AVX2 + FMA"
+          : b == BackendId::avx2_vnni ? "AVX2 + AVX-VNNI"
+                                      : "AVX-512 F/BW/VL/VNNI/BF16") +
+         ")";
   return false;
 }
 
@@ -244,11 +263,6 @@ void copy_pool(td::Tensor<T, 2>& dst, const td::Tensor<T, 2>& src) {
 }
 
 // ---- one case on one backend ---------------------------------------------------------------
-td::cpu::Isa isa_of(BackendId b) {
-  return b == BackendId::avx2        ? td::cpu::Isa::avx2
-         : b == BackendId::avx2_vnni ? td::cpu::Isa::avx2_vnni
-                                     : td::cpu::Isa::scalar;
-}
 
 // The model of the table: flash; in the sanitizer pass (TILEDECODE_SANITIZE_LEAN, set by
 // scripts/ci_sanitize.sh) the CPU backends run the narrow flash (tests/common/narrow_config.hpp:

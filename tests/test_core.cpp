@@ -421,16 +421,17 @@ TEST(Config, FlashAndProPresets) {
 TEST(Isa, DetectAndCheck) {
   namespace cpu = td::cpu;
   EXPECT_EQ(cpu::checked_isa(cpu::Isa::scalar), cpu::Isa::scalar);
-  const cpu::Isa best = cpu::cpu_has_avx2_vnni() ? cpu::Isa::avx2_vnni
-                        : cpu::cpu_has_avx2()    ? cpu::Isa::avx2
-                                                 : cpu::Isa::scalar;
+  const cpu::Isa best = cpu::cpu_has_avx512()      ? cpu::Isa::avx512
+                        : cpu::cpu_has_avx2_vnni() ? cpu::Isa::avx2_vnni
+                        : cpu::cpu_has_avx2()      ? cpu::Isa::avx2
+                                                   : cpu::Isa::scalar;
   EXPECT_EQ(cpu::detect_isa(), best);
   EXPECT_EQ(cpu::supported_isas().back(), best);
   EXPECT_EQ(cpu::supported_isas().front(), cpu::Isa::scalar);
-  if (cpu::cpu_has_avx2_vnni()) {
+  if (cpu::cpu_has_avx2_vnni() || cpu::cpu_has_avx512()) {
     EXPECT_TRUE(cpu::cpu_has_avx2());
   }
-  for (cpu::Isa isa : {cpu::Isa::avx2, cpu::Isa::avx2_vnni}) {
+  for (cpu::Isa isa : {cpu::Isa::avx2, cpu::Isa::avx2_vnni, cpu::Isa::avx512}) {
     if (cpu::cpu_supports(isa)) {
       EXPECT_EQ(cpu::checked_isa(isa), isa);
     } else {
@@ -439,17 +440,44 @@ TEST(Isa, DetectAndCheck) {
     EXPECT_TRUE(cpu::has_avx2(isa));
   }
   EXPECT_FALSE(cpu::has_avx2(cpu::Isa::scalar));
+  EXPECT_TRUE(cpu::has_vnni(cpu::Isa::avx2_vnni));
+  EXPECT_TRUE(cpu::has_vnni(cpu::Isa::avx512));
+  EXPECT_FALSE(cpu::has_vnni(cpu::Isa::avx2));
+  EXPECT_FALSE(cpu::has_vnni(cpu::Isa::scalar));
+  // Not a tier: rejected by name, whatever the CPU.
+  try {
+    (void)cpu::checked_isa(cpu::Isa(7));
+    FAIL() << "no error";
+  } catch (const td::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("7 (not a tier)"), std::string::npos) << e.what();
+  }
+}
+
+// The AVX-512 tier's CPUID reading agrees with the compiler's feature test where the compiler
+// knows every feature (GCC: avx512f, bw, vl, vnni, bf16).
+TEST(Isa, Avx512DetectionAgreesWithTheCompiler) {
+#if TILEDECODE_X86 && defined(__GNUC__) && !defined(__clang__)
+  const bool builtin = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                       __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx2") &&
+                       __builtin_cpu_supports("fma");
+  EXPECT_EQ(td::cpu::cpu_has_avx512(), builtin);
+#else
+  GTEST_SKIP() << "needs GCC's __builtin_cpu_supports on x86";
+#endif
 }
 
 TEST(Isa, NamesRoundTrip) {
   namespace cpu = td::cpu;
-  for (cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx2_vnni})
+  for (cpu::Isa isa : {cpu::Isa::scalar, cpu::Isa::avx2, cpu::Isa::avx2_vnni, cpu::Isa::avx512})
     EXPECT_EQ(cpu::isa_from_string("test", cpu::to_string(isa)), isa);
+  EXPECT_EQ(cpu::to_string(cpu::Isa::avx512), "avx512");
   try {
-    (void)cpu::isa_from_string("test", "avx512");
+    (void)cpu::isa_from_string("test", "avx512f");
     FAIL() << "no error";
   } catch (const td::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("allowed scalar, avx2, avx2_vnni"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("allowed scalar, avx2, avx2_vnni, avx512"),
+              std::string::npos);
   }
 }
 

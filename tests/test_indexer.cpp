@@ -606,8 +606,9 @@ TEST(IndexerQuery, ProPresetQLora1536AndTopk1024) {
   expect_matches_golden(sc, got, want, ctx);  // top-k with k = cfg.idx_topk = 1024
 }
 
-// The avx2_vnni query GEMM (vpdpbusd on the offset weights) against the avx2 tier (vpmaddwd on
-// int16-widened operands): both integer dots are exact, so q_i8 and q_sc must match bit for bit.
+// The VNNI query GEMMs (avx2_vnni: 256-bit vpdpbusd, avx512: 512-bit vpdpbusd, on the offset
+// weights) against the avx2 tier (vpmaddwd on int16-widened operands): the integer dots are exact,
+// so q_i8 and q_sc must match bit for bit.
 // Shapes: the flash preset (token tiles 4 + 4 and 4 + 3), Q_LORA = 130 (K % 4 == 2: the last
 // pair row alone, and the i8_sum tail) and Q_LORA = 4096 (the INT32 bound's limit).
 struct QueryTierShape {
@@ -631,8 +632,9 @@ QueryCase make_query_tier_case(const QueryTierShape& sh, std::uint64_t seed) {
   return c;
 }
 
-// Runs the avx2 and avx2_vnni tiers (1 and 3 threads) and memcmp's q_i8 and q_sc.
-void expect_vnni_query_matches_avx2(const QueryCase& c, const std::string& what) {
+// Runs the avx2 tier and `tier` (1 and 3 threads) and memcmp's q_i8 and q_sc.
+void expect_vnni_query_matches_avx2(td::cpu::Isa tier, const QueryCase& c,
+                                    const std::string& what) {
   SCOPED_TRACE(what);
   const index_t T = c.T, H = c.cfg.idx_n_heads;
   const auto packed =
@@ -648,7 +650,7 @@ void expect_vnni_query_matches_avx2(const QueryCase& c, const std::string& what)
   };
   const auto want = run(td::cpu::Isa::avx2, 1);
   for (std::size_t threads : {1, 3}) {
-    const auto got = run(td::cpu::Isa::avx2_vnni, threads);
+    const auto got = run(tier, threads);
     ASSERT_EQ(std::memcmp(got.first.data(), want.first.data(), std::size_t(T * H * 128)), 0)
         << "q_i8, threads " << threads;
     ASSERT_EQ(
@@ -657,25 +659,34 @@ void expect_vnni_query_matches_avx2(const QueryCase& c, const std::string& what)
   }
 }
 
-TEST(IndexerQuery, VnniTierBitIdenticalToAvx2) {
-  if (!td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+void expect_query_tier_bit_identical(td::cpu::Isa tier) {
   std::uint64_t seed = 40;
   for (const auto& sh : kQueryTierShapes) {
     auto c = make_query_tier_case(sh, seed++);
     expect_vnni_query_matches_avx2(
-        c, "random, q_lora " + std::to_string(sh.q_lora) + " T " + std::to_string(sh.T));
+        tier, c, "random, q_lora " + std::to_string(sh.q_lora) + " T " + std::to_string(sh.T));
     c.hadamard = td::Tensor<td::bf16, 2>({128, 128});  // the dense-rotation epilogue
     tdtest::Rng rng(seed++);
     for (auto& v : c.hadamard.flat()) v = td::bf16(rng.uniform() / std::sqrt(128.0f));
-    expect_vnni_query_matches_avx2(c, "random rotation, q_lora " + std::to_string(sh.q_lora));
+    expect_vnni_query_matches_avx2(tier, c, "random rotation, q_lora " + std::to_string(sh.q_lora));
   }
 }
 
-TEST(IndexerQuery, VnniTierExactAtTheInt8Extremes) {
-  // qr = -128 everywhere (the offset's start value -128 Σ qr at its largest, 2^14 K) against
-  // weights -128 (offset to 0), 127 (offset to 255) and a -128 / 127 mix; plus qr = 127 and a
-  // mixed qr. At Q_LORA = 4096 the dots reach 2^26 = 128 · 128 · 4096.
+TEST(IndexerQuery, VnniTierBitIdenticalToAvx2) {
   if (!td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  expect_query_tier_bit_identical(td::cpu::Isa::avx2_vnni);
+}
+
+TEST(IndexerQuery, Avx512TierBitIdenticalToAvx2) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx512))
+    GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  expect_query_tier_bit_identical(td::cpu::Isa::avx512);
+}
+
+// qr = -128 everywhere (the offset's start value -128 Σ qr at its largest, 2^14 K) against
+// weights -128 (offset to 0), 127 (offset to 255) and a -128 / 127 mix; plus qr = 127 and a
+// mixed qr. At Q_LORA = 4096 the dots reach 2^26 = 128 · 128 · 4096.
+void expect_query_tier_exact_at_extremes(td::cpu::Isa tier) {
   const auto mix = [](index_t i, index_t j) {
     return std::int8_t((i * 7 + j * 3) % 5 < 2 ? -128 : 127);
   };
@@ -690,12 +701,24 @@ TEST(IndexerQuery, VnniTierExactAtTheInt8Extremes) {
         for (index_t k = 0; k < sh.q_lora; ++k)
           for (index_t n = 0; n < N; ++n)
             c.wq_b.view()(k, n) = wv != 0 ? std::int8_t(wv) : mix(k, n);
-        expect_vnni_query_matches_avx2(c, "q_lora " + std::to_string(sh.q_lora) + " T " +
-                                              std::to_string(sh.T) + " qr " + std::to_string(qv) +
-                                              " w " + std::to_string(wv));
+        expect_vnni_query_matches_avx2(tier, c,
+                                       "q_lora " + std::to_string(sh.q_lora) + " T " +
+                                           std::to_string(sh.T) + " qr " + std::to_string(qv) +
+                                           " w " + std::to_string(wv));
       }
     }
   }
+}
+
+TEST(IndexerQuery, VnniTierExactAtTheInt8Extremes) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  expect_query_tier_exact_at_extremes(td::cpu::Isa::avx2_vnni);
+}
+
+TEST(IndexerQuery, Avx512TierExactAtTheInt8Extremes) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx512))
+    GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  expect_query_tier_exact_at_extremes(td::cpu::Isa::avx512);
 }
 
 TEST(IndexerWeights, MatchesGoldenAndHandlesZeroWeights) {

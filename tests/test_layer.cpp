@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -253,11 +254,11 @@ TEST(QkvProjection, VnniTierBitIdenticalToAvx2) {
   }
 }
 
-// The packed wq_b path (kernels::pack_qkv_wq_b + avx2_vnni::matmul_i8_packed) against the avx2
-// tier on the plain wq_b: every output byte, T = 8 and odd T = 5 (a partial token tile), 1 and 2
-// threads, with INT8 extremes (-128 / 127) in wq_b and a wq_b column block all -128 / all 127.
-TEST(QkvProjection, PackedVnniBitIdenticalToAvx2) {
-  if (!td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+// The packed wq_b path (kernels::pack_qkv_wq_b + avx2_vnni::matmul_i8_packed, or
+// avx512::matmul_i8_packed) against the avx2 tier on the plain wq_b: every output byte, T = 8 and
+// odd T = 5 (a partial token tile), 1 and 2 threads, with INT8 extremes (-128 / 127) in wq_b and a
+// wq_b column block all -128 / all 127.
+void expect_packed_tier_bit_identical(td::cpu::Isa tier) {
   for (index_t T : {8, 5}) {
     QkvFixture f(td::flash_config(), T, 40 + std::uint64_t(T));
     auto* wb = f.wq_b.data();
@@ -271,7 +272,7 @@ TEST(QkvProjection, PackedVnniBitIdenticalToAvx2) {
       if (threads > 1) pool = std::make_unique<td::ThreadPool>(threads);
       QkvOut a(f.cfg, f.T), v(f.cfg, f.T);
       run_qkv(f, a, td::cpu::Context{pool.get(), td::cpu::Isa::avx2});
-      run_qkv(f, v, td::cpu::Context{pool.get(), td::cpu::Isa::avx2_vnni}, &packed);
+      run_qkv(f, v, td::cpu::Context{pool.get(), tier}, &packed);
       const std::string at = "T=" + std::to_string(T) + " threads=" + std::to_string(threads);
       EXPECT_EQ(0, std::memcmp(a.q.data(), v.q.data(), a.q.size() * 2)) << at;
       EXPECT_EQ(0, std::memcmp(a.kv.data(), v.kv.data(), a.kv.size() * 2)) << at;
@@ -281,12 +282,24 @@ TEST(QkvProjection, PackedVnniBitIdenticalToAvx2) {
   }
 }
 
+TEST(QkvProjection, PackedVnniBitIdenticalToAvx2) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  expect_packed_tier_bit_identical(td::cpu::Isa::avx2_vnni);
+}
+
+TEST(QkvProjection, PackedAvx512BitIdenticalToAvx2) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx512))
+    GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  expect_packed_tier_bit_identical(td::cpu::Isa::avx512);
+}
+
 // The packed kernel alone against the scalar twin, on activations the projection cannot produce
 // (Q8 stops at ±127): random INT8 incl. -128, all -128 × all -128 (the largest |sum|) and
-// -128 × 127, T = 1..8, K = 1024 and 256, several column widths (register-tile tails).
+// -128 × 127, T = 1..8, K = 1024 and 256, several column widths (register-tile tails; the
+// avx512 kernel takes multiples of 16 columns, the avx2_vnni one multiples of 8).
 #if TILEDECODE_X86
-TEST(QkvProjection, PackedVnniMatmulExactOnExtremes) {
-  if (!td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+template <class Matmul>
+void expect_packed_matmul_exact(Matmul&& matmul, std::initializer_list<index_t> widths) {
   tdtest::Rng rng(77);
   for (index_t K : {1024, 256}) {
     td::ModelConfig cfg = td::flash_config();
@@ -309,20 +322,37 @@ TEST(QkvProjection, PackedVnniMatmulExactOnExtremes) {
       }
       constexpr index_t kLd = 520;
       for (int T = 1; T <= 8; ++T)
-        for (index_t width : {N, index_t(40), index_t(16), index_t(8)}) {
+        for (index_t width : widths) {
+          if (width == 0) width = N;
           std::vector<std::int32_t> ref(8 * kLd, -1), got(8 * kLd, -1);
           td::kernels::detail::matmul_i8_axpy_scalar(ref.data(), kLd, a.data(), K, T, w.data(), N,
                                                      K, 0, width);
-          td::cpu::avx2_vnni::matmul_i8_packed(got.data(), kLd, a.data(), K, a_sum, T,
-                                               p.data.data(), K, width);
+          matmul(got.data(), kLd, a.data(), K, a_sum, T, p.data.data(), K, width);
           EXPECT_EQ(ref, got) << "K=" << K << " mode=" << mode << " T=" << T << " width=" << width;
         }
     }
   }
 }
+
+TEST(QkvProjection, PackedVnniMatmulExactOnExtremes) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  // 0: the whole head (N columns).
+  expect_packed_matmul_exact([](auto... args) { td::cpu::avx2_vnni::matmul_i8_packed(args...); },
+                             {0, 40, 16, 8});
+}
+
+TEST(QkvProjection, PackedAvx512MatmulExactOnExtremes) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx512))
+    GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  expect_packed_matmul_exact([](auto... args) { td::cpu::avx512::matmul_i8_packed(args...); },
+                             {0, 144, 48, 32, 16});
+}
 #else
 TEST(QkvProjection, PackedVnniMatmulExactOnExtremes) {
   GTEST_SKIP() << "the AVX-VNNI tier exists on x86 only";
+}
+TEST(QkvProjection, PackedAvx512MatmulExactOnExtremes) {
+  GTEST_SKIP() << "the AVX-512 tier exists on x86 only";
 }
 #endif
 

@@ -1005,15 +1005,15 @@ struct OprojCase {
   }
 };
 
-// Compares the tiers among themselves: avx2 and avx2_vnni bit-identical (exact INT8 stages, the
-// same FP32 code), scalar the same classes (its wo_a lane sum is ordered differently).
+// Compares the tiers among themselves: avx2, avx2_vnni and avx512 bit-identical (exact INT8
+// stages, the same FP32 code), scalar the same classes (its wo_a lane sum is ordered differently).
 void expect_oproj_tiers_agree(const std::vector<std::pair<Isa, std::vector<float>>>& runs) {
   for (const auto& [isa, v] : runs) {
     EXPECT_TRUE(same_classes(v, runs.front().second)) << name(isa);
-    if (isa != Isa::avx2_vnni) continue;
+    if (!td::cpu::has_vnni(isa)) continue;
     for (const auto& [i2, v2] : runs) {
       if (i2 == Isa::avx2) {
-        EXPECT_TRUE(same_bits(v, v2)) << "avx2_vnni vs avx2";
+        EXPECT_TRUE(same_bits(v, v2)) << name(isa) << " vs avx2";
       }
     }
   }
@@ -1394,30 +1394,27 @@ TEST(HyperConnection, PostNonFiniteAndFp32OverflowAsDocumented) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The avx2_vnni tier (INT8 kernels on vpdpbusd): bit-identical to avx2 on the non-finite cases
-// above. The per-family tests already include the tier when the CPU has it; this one states the
-// tier's coverage explicitly and skips (with the reason) elsewhere.
-TEST(VnniTier, BitIdenticalToAvx2OnNonFiniteInputs) {
-  if (!td::cpu::cpu_supports(Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+// The VNNI tiers (INT8 kernels on vpdpbusd: avx2_vnni 256-bit, avx512 512-bit): bit-identical to
+// avx2 on the non-finite cases above. The per-family tests already include the tiers when the CPU
+// has them; these state each tier's coverage explicitly and skip (with the reason) elsewhere.
+void expect_vnni_tier_bit_identical_on_non_finite(Isa tier) {
   {
     OprojCase c;
     c.o.view()(0, 3) = bf16(kNaN);
     c.scale.view()(9) = kInf;
-    EXPECT_TRUE(same_bits(floats(c.kernel(Isa::avx2_vnni)), floats(c.kernel(Isa::avx2))))
+    EXPECT_TRUE(same_bits(floats(c.kernel(tier)), floats(c.kernel(Isa::avx2))))
         << "output_projection";
   }
   {
     QkvCase c;
     c.x_n.view()(1, 7) = bf16(kNaN);
-    EXPECT_TRUE(same_bits(run_qkv(c, Isa::avx2_vnni).all(), run_qkv(c, Isa::avx2).all()))
-        << "qkv_projection";
+    EXPECT_TRUE(same_bits(run_qkv(c, tier).all(), run_qkv(c, Isa::avx2).all())) << "qkv_projection";
   }
   {
     ScoreCase c(33);
     c.w.view()(1, 3) = kNaN;
     c.kscale.view()(c.row(2, 4)) = kInf;
-    EXPECT_TRUE(same_bits(floats(c.kernel(Isa::avx2_vnni)), floats(c.kernel(Isa::avx2))))
-        << "indexer_score";
+    EXPECT_TRUE(same_bits(floats(c.kernel(tier)), floats(c.kernel(Isa::avx2)))) << "indexer_score";
   }
   {
     QueryCase c(true, 43);
@@ -1429,7 +1426,7 @@ TEST(VnniTier, BitIdenticalToAvx2OnNonFiniteInputs) {
     for (int i = 0; i < 2; ++i) {
       td::Tensor<std::int8_t, 3> qa({c.T, c.cfg.idx_n_heads, 128});
       td::Tensor<float, 2> sa({c.T, c.cfg.idx_n_heads});
-      kn::indexer_query(td::cpu::Context{nullptr, i ? Isa::avx2_vnni : Isa::avx2}, c.cfg, qa.view(),
+      kn::indexer_query(td::cpu::Context{nullptr, i ? tier : Isa::avx2}, c.cfg, qa.view(),
                         sa.view(), c.qr.view(), c.qr_scale.view(), packed, c.rope_pos.view(),
                         csa_rope().view());
       s[i] = floats(sa);
@@ -1438,6 +1435,17 @@ TEST(VnniTier, BitIdenticalToAvx2OnNonFiniteInputs) {
     EXPECT_TRUE(same_bits(s[1], s[0])) << "indexer_query scales";
     EXPECT_EQ(q[1], q[0]) << "indexer_query INT8";
   }
+}
+
+TEST(VnniTier, BitIdenticalToAvx2OnNonFiniteInputs) {
+  if (!td::cpu::cpu_supports(Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  expect_vnni_tier_bit_identical_on_non_finite(Isa::avx2_vnni);
+}
+
+TEST(Avx512Tier, BitIdenticalToAvx2OnNonFiniteInputs) {
+  if (!td::cpu::cpu_supports(Isa::avx512))
+    GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  expect_vnni_tier_bit_identical_on_non_finite(Isa::avx512);
 }
 
 }  // namespace

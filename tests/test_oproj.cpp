@@ -120,17 +120,26 @@ TEST(Oproj, OddTokenCountsAndThreadsBitIdentical) {
                                        0.005));
 }
 
-// The avx2_vnni tier changes only the INT8 wo_b dot, which is exact on both tiers: outputs must
-// be bit-identical to avx2 (weights span the full int8 range, -128 included).
-TEST(Oproj, VnniTierBitIdenticalToAvx2) {
-  if (!td::cpu::cpu_has_avx2_vnni()) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+// The VNNI tiers (avx2_vnni, avx512) change only the INT8 wo_b dot, which is exact on every
+// tier: outputs must be bit-identical to avx2 (weights span the full int8 range, -128 included).
+void expect_tier_bit_identical_to_avx2(td::cpu::Isa tier) {
   const auto& w = flash_weights();
   for (index_t T : {1, 8, 13}) {
     const auto o = random_o(w.cfg, T, 40 + T);
     const auto a = run_kernel(w, o, T, td::cpu::Isa::avx2);
-    const auto v = run_kernel(w, o, T, td::cpu::Isa::avx2_vnni);
+    const auto v = run_kernel(w, o, T, tier);
     EXPECT_EQ(0, std::memcmp(a.data(), v.data(), a.size() * sizeof(bf16))) << "T=" << T;
   }
+}
+
+TEST(Oproj, VnniTierBitIdenticalToAvx2) {
+  if (!td::cpu::cpu_has_avx2_vnni()) GTEST_SKIP() << "no AVX-VNNI on this CPU";
+  expect_tier_bit_identical_to_avx2(td::cpu::Isa::avx2_vnni);
+}
+
+TEST(Oproj, Avx512TierBitIdenticalToAvx2) {
+  if (!td::cpu::cpu_has_avx512()) GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  expect_tier_bit_identical_to_avx2(td::cpu::Isa::avx512);
 }
 
 // Exact integer path: o_packed chosen so o_r is exactly representable and Q8 is exact, then

@@ -547,11 +547,12 @@ int main(int argc, char** argv) {
   // reader counts), which the % of ceiling uses, so that other tenants' load does not deflate
   // them; the same loops' wall-clock medians for reference (the larger of the two counts).
   // INT8: the best of the four exact s8 × s8 AVX2 mixes of ceilings.hpp (sign trick, widening,
-  // pre-widened int16 vpmaddwd, wo_b tile mix), as tdbench::int8_gops(), and on the avx2_vnni
-  // tier (whose indexer score and wo_b run vpdpbusd) also the vpdpbusd loop.
+  // pre-widened int16 vpmaddwd, wo_b tile mix), as tdbench::int8_gops(), and the vpdpbusd loops
+  // the machine has (256-bit with AVX-VNNI, 512-bit with AVX-512), whatever tier runs: the
+  // machine's best (tdbench::int8_machine_gops); FP32 the better of the 256- and 512-bit FMA.
   Ceilings wall_ce;
   wall_ce.fma_gflops = tdbench::fp32_fma_gflops();
-  wall_ce.int8_gops = tdbench::int8_ceiling_gops(isa);
+  wall_ce.int8_gops = tdbench::int8_machine_gops();
   wall_ce.bw1 = tdbench::read_gbps(1);
   wall_ce.bw2 = max_threads >= 2 ? tdbench::read_gbps(2) : wall_ce.bw1;
   const double fma_2t = tdbench::fp32_fma_gflops_threads(2);
@@ -559,7 +560,7 @@ int main(int argc, char** argv) {
   const double int8_widen = tdbench::int8_mix_gops<tdbench::Int8Mix::widen, true>();
   const double int8_madd16 = tdbench::int8_mix_gops<tdbench::Int8Mix::madd16, true>();
   const double int8_tile = tdbench::int8_mix_gops<tdbench::Int8Mix::tile, true>();
-  const double int8_vnni = isa == td::cpu::Isa::avx2_vnni ? tdbench::int8_vnni_gops<true>() : 0.0;
+  const double int8_vnni = tdbench::int8_machine_gops<true>();
   Ceilings ce;
   ce.fma_gflops = std::max(tdbench::fp32_fma_gflops_cpu(), wall_ce.fma_gflops);
   ce.int8_gops =
@@ -576,9 +577,10 @@ int main(int argc, char** argv) {
       wall_ce.fma_gflops, wall_ce.int8_gops, wall_ce.bw1, wall_ce.bw2, fma_2t);
   std::printf(
       "  INT8 mixes (CPU time): sign trick %.1f GOP/s, int16 vpmaddwd %.1f GOP/s, vpmovsxbw + "
-      "vpmaddwd %.1f GOP/s; wo_b tile mix %.1f GOP/s; AVX-VNNI vpdpbusd %.1f GOP/s (0: not "
-      "used); the ceiling is the best\n",
-      int8_sign, int8_madd16, int8_widen, int8_tile, int8_vnni);
+      "vpmaddwd %.1f GOP/s; wo_b tile mix %.1f GOP/s; vpdpbusd %.1f GOP/s (0: no VNNI tier); "
+      "the ceiling is the best (FP32: %s, INT8: %s)\n",
+      int8_sign, int8_madd16, int8_widen, int8_tile, int8_vnni, tdbench::fp32_fma_kind(),
+      tdbench::int8_machine_kind());
   std::printf(
       "times: 1 thread = median CPU time of the calling thread over interleaved samples; 2 threads "
       "= minimum wall time\n\n");
@@ -768,6 +770,8 @@ int main(int argc, char** argv) {
       << ", \"glibc_tunables\": " << json_str(env_or("GLIBC_TUNABLES", "default"))
       << ", \"thp\": " << json_str(thp_mode()) << "},\n";
     f << "  \"ceilings\": {\"fp32_fma_gflops\": " << json_num(ce.fma_gflops)
+      << ", \"fp32_kind\": " << json_str(tdbench::fp32_fma_kind())
+      << ", \"int8_kind\": " << json_str(tdbench::int8_machine_kind())
       << ", \"int8_gops\": " << json_num(ce.int8_gops) << ", \"read_gbps_1\": " << json_num(ce.bw1)
       << ", \"read_gbps_2\": " << json_num(ce.bw2)
       << ", \"wall_clock\": {\"fp32_fma_gflops\": " << json_num(wall_ce.fma_gflops)

@@ -98,7 +98,8 @@ struct LayerWeightsStorage {
   Tensor<float, 2> inner_ape;
   Tensor<bf16, 1> inner_norm_w;
   kernels::IndexerQueryWeights idx_packed;  // filled by pack()
-  // wq_b for the avx2_vnni q/kv projection, filled by pack() where the CPU has AVX-VNNI: a
+  // wq_b for the VNNI q/kv projection (avx2_vnni, avx512), filled by pack() where the CPU has
+  // one of those tiers: a
   // second copy of wq_b (Q_LORA·H·512 bytes, flash 32 MB per layer), not counted in bytes().
   QkvPackedWqB wq_b_packed;
 
@@ -165,10 +166,10 @@ struct LayerWeightsStorage {
     return w;
   }
 
-  // Load-time preparation after the weights are filled: packs wq_b for the AVX-VNNI q/kv
-  // projection (only where the CPU has AVX-VNNI) and the indexer query weights (CSA).
+  // Load-time preparation after the weights are filled: packs wq_b for the VNNI q/kv projection
+  // (only where the CPU has AVX-VNNI or AVX-512) and the indexer query weights (CSA).
   void pack(const ModelConfig& cfg) {
-    if (cpu::cpu_supports(cpu::Isa::avx2_vnni))
+    if (cpu::cpu_supports(cpu::Isa::avx2_vnni) || cpu::cpu_supports(cpu::Isa::avx512))
       wq_b_packed = kernels::pack_qkv_wq_b(cfg, wq_b.view());
     if (kind != LayerKind::csa) return;
     idx_packed = kernels::pack_indexer_query_weights(cfg, idx_wq_b.view(), idx_wq_b_scale.view(),

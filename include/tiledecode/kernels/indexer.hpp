@@ -57,7 +57,7 @@ namespace tiledecode::kernels {
 inline constexpr int kIndexerHeadDim = 128;    // idx_head_dim (the micro-kernels' row width)
 inline constexpr int kIndexerMaxHeads = 64;    // idx_n_heads, a multiple of 16
 inline constexpr int kIndexerMaxQLora = 4096;  // q_lora, even (INT32 bounds: avx2 < 2^17,
-                                               // avx2_vnni <= 43804; indexer_avx2.hpp)
+                                               // VNNI tiers <= 43804; indexer_avx2.hpp)
 
 // Visible compressed rows of a token (rules/indexer.hpp).
 inline int indexer_visible_rows(const ModelConfig& cfg, int pos, int kv_len) {

@@ -34,7 +34,7 @@
 
 namespace tiledecode {
 
-// wq_b repacked for the CPU's avx2_vnni tier (cpu::pack_qkv_wq_b, layout at
+// wq_b repacked for the CPU's VNNI tiers, avx2_vnni and avx512 (cpu::pack_qkv_wq_b, layout at
 // cpu::avx2_vnni::matmul_i8_packed): u8 (w + 128) k-quads of 8 columns, column-vector-major, so
 // one head's 512 columns × Q_LORA rows are one contiguous run (512 KB for flash). A second copy
 // of wq_b, same size (flash: 32 MB per layer), made at load time only where the CPU has AVX-VNNI;
@@ -53,7 +53,7 @@ struct QkvWeights {
   ConstView<float, 1> wq_b_scale;  // (H*512) per output column
   ConstView<bf16, 2> wkv;          // (D, 512)
   ConstView<bf16, 1> gamma_ckv;    // (512)
-  // Optional packed copy of wq_b: used by the CPU's avx2_vnni tier when present (same results).
+  // Optional packed copy of wq_b: used by the CPU's VNNI tiers when present (same results).
   const QkvPackedWqB* wq_b_packed = nullptr;
 };
 
@@ -65,7 +65,7 @@ struct QkvScratch {
   View<float, 2> kvf;              // (T, 512)     normed kv before RoPE
   View<std::int32_t, 2> qr_pairs;  // (T, Q_LORA/2) the INT8 matmul's operand staging: qr packed
                                    // as int16 pairs (avx2, scalar); [t, 0] = Σ_k qr[t, k] on
-                                   // avx2_vnni (the sum that undoes vpdpbusd's u8 offset)
+                                   // VNNI tiers (the sum that undoes vpdpbusd's u8 offset)
   std::span<std::byte> extra = {};
 };
 

@@ -22,7 +22,7 @@ template <Isa I>
 struct Cpu {
   static constexpr Isa isa = I;
   static constexpr bool avx2 = has_avx2(I);
-  static constexpr bool vnni = I == Isa::avx2_vnni;
+  static constexpr bool vnni = has_vnni(I);
   static constexpr std::string_view name = to_string(I);
   Executor* exec = nullptr;  // nullptr: inline on the calling thread
 
@@ -46,6 +46,8 @@ template <class F>
 decltype(auto) dispatch(const Context& ctx, F&& f) {
   switch (checked_isa(ctx.isa)) {
 #if TILEDECODE_X86
+    case Isa::avx512:
+      return f(Cpu<Isa::avx512>{ctx.exec});
     case Isa::avx2_vnni:
       return f(Cpu<Isa::avx2_vnni>{ctx.exec});
     case Isa::avx2:

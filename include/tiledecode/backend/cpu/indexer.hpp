@@ -1,7 +1,8 @@
 #pragma once
 // Lightning indexer (kernels/indexer.hpp) on the CPU backend: the query path, the head weights,
 // the fused INT8 score and top-k for every ISA tier, with the AVX2 micro-kernels (and the AVX-VNNI
-// score and query-GEMM kernels of Isa::avx2_vnni) in backend/cpu/indexer_avx2.hpp.
+// score and query-GEMM kernels of Isa::avx2_vnni) in backend/cpu/indexer_avx2.hpp, and the
+// 512-bit VNNI ones of Isa::avx512 in backend/cpu/indexer_avx512.hpp.
 // The scalar twins below perform the same floating-point operations in the same order, so the
 // scalar and AVX2 paths are bit-identical, and every output element is produced by exactly one
 // task with a fixed order, so results are bit-identical for any thread count.
@@ -28,6 +29,7 @@
 
 #include "tiledecode/backend/cpu/backend.hpp"
 #include "tiledecode/backend/cpu/indexer_avx2.hpp"
+#include "tiledecode/backend/cpu/indexer_avx512.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/quant.hpp"
 #include "tiledecode/kernels/indexer.hpp"
@@ -139,15 +141,20 @@ inline void query_head_scalar(std::int32_t* out, const std::int16_t* a16, index_
 
 #if TILEDECODE_X86
 // One token tile of one head on the vector tiers: the INT32 GEMM (avx2: int16-widened a16 on
-// vpmaddwd; avx2_vnni: the INT8 rows a8 (row stride lda) on vpdpbusd, the same exact integers),
+// vpmaddwd; avx2_vnni / avx512: the INT8 rows a8 (row stride lda) on 256- / 512-bit vpdpbusd,
+// the same exact integers),
 // then the shared epilogue.
 template <int TT>
-inline void query_tile_avx2(bool vnni, std::int32_t* acc, float* x, float* qh,
+inline void query_tile_avx2(cpu::Isa isa, std::int32_t* acc, float* x, float* qh,
                             const std::int16_t* a16, const std::int8_t* a8, index_t lda, index_t K,
                             const std::int8_t* wpk, const float* qs, const float* ws,
                             const float* rc, const float* rs, const IndexerQueryWeights& wq,
                             std::int8_t* const* q_out, float* const* sc_out) {
-  if (vnni) {
+  if (isa == cpu::Isa::avx512) {
+    std::int32_t a_sum[TT];
+    for (int tt = 0; tt < TT; ++tt) a_sum[tt] = cpu::avx512::i8_sum(a8 + tt * lda, K);
+    cpu::avx512::query_head_tile<TT>(acc, a8, lda, a_sum, K, wpk);
+  } else if (isa == cpu::Isa::avx2_vnni) {
     std::int32_t a_sum[TT];
     for (int tt = 0; tt < TT; ++tt) a_sum[tt] = cpu::avx2_vnni::i8_sum(a8 + tt * lda, K);
     cpu::avx2_vnni::query_head_tile<TT>(acc, a8, lda, a_sum, K, wpk);
@@ -218,7 +225,7 @@ namespace tiledecode::cpu {
 
 template <Isa I>
 struct backend_ops_indexer_query {
-  static constexpr bool vnni = I == Isa::avx2_vnni;
+  static constexpr bool vnni = has_vnni(I);
   static void check(const Cpu<I>&, const kernels::IndexerQueryArgs& a) {
     if (!a.wq->packed())
       throw_arg("indexer_query", "wq", "views only",
@@ -264,8 +271,8 @@ struct backend_ops_indexer_query {
 #if TILEDECODE_X86
         if constexpr (has_avx2(I)) {
           const auto tile = [&]<int N>() {
-            kernels::detail::query_tile_avx2<N>(vnni, acc, x, qh, a16, &a.qr(t0, 0), a.qr.stride(0),
-                                                K, wpk, qs, ws, rc, rs, wq, q_out, sc_out);
+            kernels::detail::query_tile_avx2<N>(I, acc, x, qh, a16, &a.qr(t0, 0), a.qr.stride(0), K,
+                                                wpk, qs, ws, rc, rs, wq, q_out, sc_out);
           };
           switch (nt) {
             case 4:
@@ -383,7 +390,7 @@ struct backend_ops_indexer_score {
     const int n_heads = a.cfg->idx_n_heads;
     for (int h = 0; h < n_heads; ++h) z.coef[h] = a.q_sc(it.t, h) * a.w(it.t, h);
     const std::int8_t* q = &a.q_i8(it.t, 0, 0);
-    if constexpr (I == Isa::avx2_vnni) {
+    if constexpr (has_vnni(I)) {
       kernels::detail::pack_query_vnni(z.qp, z.q_bias, q, a.q_i8.stride(1), n_heads);
     } else if constexpr (has_avx2(I)) {
       kernels::detail::pack_query_pairs(z.qp, q, a.q_i8.stride(1), n_heads);
@@ -404,7 +411,13 @@ struct backend_ops_indexer_score {
       const std::int8_t* k = &a.idx_kv_cache(row, 0);
       const float* ksc = &a.idx_kv_scale(row);
 #if TILEDECODE_X86
-      if constexpr (I == Isa::avx2_vnni) {
+      if constexpr (I == Isa::avx512) {
+        alignas(64) float tmp[16];
+        avx512::score_block16(tmp, k, a.idx_kv_cache.stride(0), ksc, z.qp, z.q_bias, z.coef,
+                              n_heads);
+        std::memcpy(out + j, tmp, sizeof(float) * std::size_t(n));
+        continue;
+      } else if constexpr (I == Isa::avx2_vnni) {
         alignas(32) float tmp[16];
         avx2_vnni::score_block16(tmp, k, a.idx_kv_cache.stride(0), ksc, z.qp, z.q_bias, z.coef,
                                  n_heads);

@@ -5,7 +5,7 @@
 // runs the AVX2 path on an AVX2 machine and the scalar path elsewhere. The scalar path is always
 // compiled and tested.
 //
-// Tiers (each includes the one before):
+// Tiers:
 //   scalar     portable C++; the twin every SIMD path is tested against
 //   avx2       AVX2 + FMA + F16C (Haswell, Zen 1-3 and later): every kernel's fast path
 //   avx2_vnni  avx2 + AVX-VNNI, the 256-bit VEX form of vpdpbusd (Zen 5, Alder Lake and later;
@@ -13,11 +13,19 @@
 //              query's qr @ idx_wq_b, the q/kv projection's qr @ wq_b and the output
 //              projection's wo_b run on vpdpbusd (32 u8 x s8 pairs per instruction instead of
 //              vpmaddwd's 16); their integer dots are exact in both tiers, so outputs are
-//              bit-identical to the avx2 tier. wq_b also has a load-time packed copy for this
-//              tier (kernels::pack_qkv_wq_b, made by LayerWeightsStorage::pack only where the
-//              CPU has AVX-VNNI; +32 MB per flash layer).
-// Kernels test `has_avx2(isa)` for the AVX2 code and `isa == Isa::avx2_vnni` only where a
-// VNNI kernel exists.
+//              bit-identical to the avx2 tier. wq_b also has a load-time packed copy for the
+//              VNNI tiers (kernels::pack_qkv_wq_b, made by LayerWeightsStorage::pack only where
+//              the CPU has a VNNI tier; +32 MB per flash layer).
+//   avx512     avx2 + AVX-512 F, BW, VL, VNNI and BF16 (Ice Lake / Sapphire Rapids Xeon, Zen 4,
+//              Zen 5). It does not need AVX-VNNI (Zen 4 has AVX-512 VNNI but not the VEX form).
+//              The same four INT8 matmuls run on the 512-bit vpdpbusd (64 pairs per
+//              instruction; backend/cpu/*_avx512.hpp), exact like the other tiers, so this tier
+//              too is bit-identical to avx2. The floating-point kernels (sparse attention, the
+//              compressors, wo_a, hc_pre/hc_post, the BF16 q/kv projections) run the AVX2
+//              micro-kernels on this tier for now, so its outputs equal the avx2 tier's bit for
+//              bit everywhere.
+// Kernels test `has_avx2(isa)` for the AVX2 code, and `isa == Isa::avx2_vnni` /
+// `isa == Isa::avx512` only where a kernel for that tier exists (`has_vnni(isa)`: either).
 
 #include <string>
 #include <string_view>
@@ -31,15 +39,18 @@
 #include <immintrin.h>
 #define TILEDECODE_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define TILEDECODE_TARGET_AVX2_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define TILEDECODE_TARGET_AVX512 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")))
 #else
 #define TILEDECODE_X86 0
 #define TILEDECODE_TARGET_AVX2
 #define TILEDECODE_TARGET_AVX2_VNNI
+#define TILEDECODE_TARGET_AVX512
 #endif
 
 namespace tiledecode::cpu {
 
-enum class Isa { scalar, avx2, avx2_vnni };
+enum class Isa { scalar, avx2, avx2_vnni, avx512 };
 
 constexpr std::string_view to_string(Isa isa) {
   switch (isa) {
@@ -47,23 +58,40 @@ constexpr std::string_view to_string(Isa isa) {
       return "avx2";
     case Isa::avx2_vnni:
       return "avx2_vnni";
+    case Isa::avx512:
+      return "avx512";
     case Isa::scalar:
       break;
   }
   return "scalar";
 }
 
+// Every tier, in order of preference (the last one the CPU runs is detect_isa's choice).
+inline constexpr Isa kAllIsas[] = {Isa::scalar, Isa::avx2, Isa::avx2_vnni, Isa::avx512};
+
+// False for a value that names no tier (an enum is range-checked like every argument).
+constexpr bool is_tier(Isa isa) {
+  for (Isa t : kAllIsas)
+    if (t == isa) return true;
+  return false;
+}
+
 // Parses to_string's names; throws tiledecode::Error naming the allowed ones otherwise.
 inline Isa isa_from_string(std::string_view where, std::string_view name) {
-  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx2_vnni})
+  for (Isa isa : kAllIsas)
     if (name == to_string(isa)) return isa;
   throw Error(std::string(where) + ": argument 'isa' = '" + std::string(name) +
-              "' is not an ISA; allowed scalar, avx2, avx2_vnni");
+              "' is not an ISA; allowed scalar, avx2, avx2_vnni, avx512");
 }
 
 // True for every tier that runs the AVX2 kernels.
 constexpr bool has_avx2(Isa isa) {
   return isa != Isa::scalar;
+}
+
+// True for the tiers whose INT8 matmuls run on vpdpbusd (256-bit VEX or 512-bit EVEX).
+constexpr bool has_vnni(Isa isa) {
+  return isa == Isa::avx2_vnni || isa == Isa::avx512;
 }
 
 inline bool cpu_has_avx2() {
@@ -91,6 +119,31 @@ inline bool cpu_has_avx2_vnni() {
 #endif
 }
 
+// AVX-512 F + BW + VL + VNNI + BF16 with the ZMM and opmask state enabled by the OS.
+inline bool cpu_has_avx512() {
+#if TILEDECODE_X86 && (defined(__GNUC__) || defined(__clang__))
+  // Read from CPUID directly (clang 14's __builtin_cpu_supports lacks "avx512bf16"), once:
+  //   leaf 1 ECX bit 27 OSXSAVE; XCR0 bits 1, 2 (SSE, AVX) and 5-7 (opmask, ZMM0-15 high halves,
+  //   ZMM16-31) all set; leaf 7.0 EBX bits 16 (F), 30 (BW), 31 (VL), ECX bit 11 (VNNI);
+  //   leaf 7.1 EAX bit 5 (BF16).
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!cpu_has_avx2() || !__get_cpuid(1, &a, &b, &c, &d) || ((c >> 27) & 1u) == 0) return false;
+    unsigned xcr0_lo = 0, xcr0_hi = 0;
+    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & 0xE6u) != 0xE6u) return false;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool f = (b >> 16) & 1u, bw = (b >> 30) & 1u, vl = (b >> 31) & 1u;
+    const bool vnni = (c >> 11) & 1u;
+    if (!(f && bw && vl && vnni) || !__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+    return ((a >> 5) & 1u) != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 // False for a value that names no tier (an enum is range-checked like every argument).
 inline bool cpu_supports(Isa isa) {
   switch (isa) {
@@ -98,21 +151,26 @@ inline bool cpu_supports(Isa isa) {
       return cpu_has_avx2();
     case Isa::avx2_vnni:
       return cpu_has_avx2_vnni();
+    case Isa::avx512:
+      return cpu_has_avx512();
     case Isa::scalar:
       return true;
   }
   return false;
 }
 
-// The best ISA this machine runs.
+// The best ISA this machine runs: the last tier of kAllIsas the CPU supports.
 inline Isa detect_isa() {
-  return cpu_has_avx2_vnni() ? Isa::avx2_vnni : (cpu_has_avx2() ? Isa::avx2 : Isa::scalar);
+  Isa best = Isa::scalar;
+  for (Isa isa : kAllIsas)
+    if (cpu_supports(isa)) best = isa;
+  return best;
 }
 
 // Every ISA this machine runs, scalar first (tests run each path).
 inline std::vector<Isa> supported_isas() {
   std::vector<Isa> v;
-  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx2_vnni})
+  for (Isa isa : kAllIsas)
     if (cpu_supports(isa)) v.push_back(isa);
   return v;
 }
@@ -123,8 +181,7 @@ inline Isa checked_isa(Isa requested) {
     std::string allowed;
     for (Isa isa : supported_isas())
       allowed += (allowed.empty() ? "" : ", ") + std::string(to_string(isa));
-    const bool named =
-        requested == Isa::scalar || requested == Isa::avx2 || requested == Isa::avx2_vnni;
+    const bool named = is_tier(requested);
     throw Error("cpu::checked_isa: argument 'isa' = " +
                 (named ? std::string(to_string(requested))
                        : std::to_string(static_cast<int>(requested)) + " (not a tier)") +

@@ -6,10 +6,11 @@
 //              tiles of 3 weight rows × 4 tokens (each weight vector widened once per 4 tokens,
 //              each activation vector loaded once per 3 rows), whole rows per tile so the weights
 //              stream as a few long runs;
-//   quantize   Q8 per (token, group), plus Σ_r a_i8 per (token, group) (the avx2_vnni tier's
+//   quantize   Q8 per (token, group), plus Σ_r a_i8 per (token, group) (the VNNI tiers'
 //              offset correction);
 //   project_b  tasks of 32 output channels: two weight rows × up to 4 tokens per register tile
-//              (Isa::avx2_vnni: vpdpbusd with the weights offset to u8; exact, so bit-identical),
+//              (Isa::avx2_vnni / Isa::avx512: 256- / 512-bit vpdpbusd with the weights offset to
+//              u8; exact, so bit-identical),
 //              every group's INT32 P_g consumed at once by the dequantised group sum and the BF16
 //              store — the program's combine is fused here (no INT32 partials in memory).
 // At decode sizes (T = 8) every weight is read once per call: 64 MiB (flash wo_a, BF16) + 32 MiB
@@ -24,6 +25,7 @@
 
 #include "tiledecode/backend/cpu/backend.hpp"
 #include "tiledecode/backend/cpu/output_projection_avx2.hpp"
+#include "tiledecode/backend/cpu/output_projection_avx512.hpp"
 #include "tiledecode/backend/cpu/quant.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/kernels/output_projection.hpp"
@@ -94,9 +96,19 @@ struct Avx2VnniOps : Avx2Ops {
     avx2_vnni::oproj_b_pair(p, ldp, a, lda, nt, w, ldw, kr, a_sum, ld_sum);
   }
 };
+// avx512: the avx2 wo_a stage, the 512-bit vpdpbusd wo_b tile.
+struct Avx512Ops : Avx2Ops {
+  static void b_pair(std::int32_t* p, std::int64_t ldp, const std::int8_t* a, std::int64_t lda,
+                     int nt, const std::int8_t* w, std::int64_t ldw, int kr,
+                     const std::int32_t* a_sum, std::int64_t ld_sum) {
+    avx512::oproj_b_pair(p, ldp, a, lda, nt, w, ldw, kr, a_sum, ld_sum);
+  }
+};
 template <Isa I>
-using MicroOps = std::conditional_t<I == Isa::avx2_vnni, Avx2VnniOps,
-                                    std::conditional_t<has_avx2(I), Avx2Ops, ScalarOps>>;
+using MicroOps =
+    std::conditional_t<I == Isa::avx512, Avx512Ops,
+                       std::conditional_t<I == Isa::avx2_vnni, Avx2VnniOps,
+                                          std::conditional_t<has_avx2(I), Avx2Ops, ScalarOps>>>;
 #else
 template <Isa>
 using MicroOps = ScalarOps;

@@ -17,9 +17,11 @@
 // (norms, Q8, kv RoPE); then one task per query head (its 512 columns of wq_b, tokens in chunks
 // of 8, the epilogue fused; on Isa::avx2_vnni the wq_b matmul runs on vpdpbusd, on the load-time
 // packed copy QkvWeights::wq_b_packed when the caller provides one: one contiguous 512 KB stream
-// per head, register-resident accumulators; see cpu::avx2_vnni::matmul_i8_packed). Every output
-// element has one producer and a fixed order: results do not depend on the thread count, and the
-// scalar, AVX2 and AVX-VNNI paths give identical matmul results.
+// per head, register-resident accumulators; see cpu::avx2_vnni::matmul_i8_packed; Isa::avx512
+// runs the same packed copy on the 512-bit vpdpbusd, cpu::avx512::matmul_i8_packed, and the avx2
+// matmul without it). Every output element has one producer and a fixed order: results do not
+// depend on the thread count, and the scalar, AVX2, AVX-VNNI and AVX-512 paths give identical
+// matmul results.
 
 #include <algorithm>
 #include <cmath>
@@ -27,6 +29,7 @@
 
 #include "tiledecode/backend/cpu/backend.hpp"
 #include "tiledecode/backend/cpu/decode_avx2.hpp"
+#include "tiledecode/backend/cpu/decode_avx512.hpp"
 #include "tiledecode/backend/cpu/quant.hpp"
 #include "tiledecode/backend/cpu/rmsnorm.hpp"
 #include "tiledecode/core/bf16.hpp"
@@ -122,10 +125,14 @@ struct backend_ops_qkv_projection {
   static std::size_t workspace_bytes(const Cpu<I>&, const ModelConfig&, index_t) { return 0; }
   static void check(const Cpu<I>&, const kernels::QkvArgs&) {}
 
-  // Which INT8 matmul runs project_b: avx2_vnni needs Q_LORA <= 65536 (its INT32 bound) and
-  // 32-column multiples (head_dim 512), otherwise the avx2 matmul runs (same integers).
+  // Which INT8 matmul runs project_b: the VNNI ones need Q_LORA <= 65536 (their INT32 bound) and
+  // 32-column multiples (head_dim 512); avx512 runs only on the packed copy of wq_b (made by
+  // LayerWeightsStorage::pack where the CPU has a VNNI tier). Otherwise the avx2 matmul runs
+  // (same integers).
   static bool vnni(const kernels::QkvArgs& a) {
-    return I == Isa::avx2_vnni && a.cfg->q_lora <= 65536 && a.cfg->head_dim % 32 == 0;
+    const bool fits = a.cfg->q_lora <= 65536 && a.cfg->head_dim % 32 == 0;
+    if constexpr (I == Isa::avx512) return fits && a.w.wq_b_packed != nullptr;
+    return I == Isa::avx2_vnni && fits;
   }
 
   // x_n → FP32 (exact) once, then cq_raw = x @ wq_a and kvf_raw = x @ wkv in 256-column tiles
@@ -219,7 +226,10 @@ struct backend_ops_qkv_projection {
         if (use_vnni) {
           std::int32_t a_sum[8];
           for (int tt = 0; tt < tc; ++tt) a_sum[tt] = s.qr_pairs(t0 + tt, 0);  // q_latent's Σ qr
-          if (packed) {
+          if constexpr (I == Isa::avx512) {
+            avx512::matmul_i8_packed(acc, kAccLd, a.qr.data() + t0 * a.qr.stride(0), a.qr.stride(0),
+                                     a_sum, tc, packed->data.data() + std::size_t(n0 * QL), QL, HD);
+          } else if (packed) {
             avx2_vnni::matmul_i8_packed(acc, kAccLd, a.qr.data() + t0 * a.qr.stride(0),
                                         a.qr.stride(0), a_sum, tc,
                                         packed->data.data() + std::size_t(n0 * QL), QL, HD);
