@@ -31,6 +31,7 @@
 
 #include "common/qkv_fixture.hpp"
 #include "tiledecode/backend/cpu/bf16_rows_avx2.hpp"
+#include "tiledecode/backend/cpu/bf16_rows_avx512.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/backend/cpu/isa.hpp"
 #include "tiledecode/core/bf16.hpp"
@@ -119,7 +120,9 @@ TEST(rounding, Bf16RowDotRoundsAsTheExactDot) {
     SCOPED_TRACE(tier);
     std::vector<float> out(std::size_t(T * R));
 #if TILEDECODE_X86
-    if (td::cpu::has_avx2(isa)) {
+    if (isa == Isa::avx512) {  // the o-proj's wo_a on this tier: vdpbf16ps, BF16 activations
+      td::cpu::avx512::bf16_rows_dot<false>(out.data(), R, xb.data(), D, T, w.data(), D, R, D, R);
+    } else if (td::cpu::has_avx2(isa)) {
       td::cpu::avx2::bf16_rows_dot<false>(out.data(), R, x.data(), D, T, w.data(), D, R, D, R);
     } else
 #endif

@@ -180,18 +180,15 @@ TILEDECODE_TARGET_AVX2 inline void tile_nt(double (*sums)[kBf16TileTokens], int 
   }
 }
 
-}  // namespace bf16_rows_detail
-
-// out[t*ld_out + r] = float(Σ_{k<d} x[t*ld_x + k] * w[r*ld_w + k]) (with kAccumulate:
-// float(double(out) + Σ)) for t < n_tok, r < n_rows, d % 8 == 0, in the two-level order. Rows
-// [n_rows, n_rows_pf) of w exist and may be prefetched (the rows the caller's next call reads);
-// pass n_rows_pf = n_rows when there are none.
-template <bool kAccumulate>
-TILEDECODE_TARGET_AVX2 inline void bf16_rows_dot(float* out, index_t ld_out, const float* x,
-                                                 index_t ld_x, index_t n_tok, const bf16* w,
-                                                 index_t ld_w, index_t n_rows, index_t d,
-                                                 index_t n_rows_pf) {
-  using namespace bf16_rows_detail;
+// The pass shared by the tiers' bf16_rows_dot (x: float here, bf16 on the avx512 tier): row
+// triples in order, each against every token group of kBf16TileTokens while its rows are in L1,
+// with the software prefetch of the rows kBf16PrefetchTriples triples on (spread over the
+// groups) and of the first triples' own rows; tile(sums, nr, nt, wr, xg, ahead, self) computes
+// the nr × nt register tile into sums (double), which is then rounded once into out.
+template <bool kAccumulate, class X, class Tile>
+inline void bf16_rows_pass(float* out, index_t ld_out, const X* x, index_t ld_x, index_t n_tok,
+                           const bf16* w, index_t ld_w, index_t n_rows, index_t d,
+                           index_t n_rows_pf, Tile&& tile) {
   constexpr int NR = kBf16TileRows, G = kBf16TileTokens;
   const index_t n_groups = (n_tok + G - 1) / G;
   for (index_t r0 = 0; r0 < n_rows; r0 += NR) {
@@ -207,14 +204,7 @@ TILEDECODE_TARGET_AVX2 inline void bf16_rows_dot(float* out, index_t ld_out, con
       if (r0 < kBf16PrefetchTriples * NR && g == 0)
         self = {wr, ld_w, nr, kBf16SelfPrefetch, d + kBf16SelfPrefetch};
       double sums[NR][G];
-      const float* xg = x + tg * ld_x;
-      if (nr == 3) {
-        tile_nt<3>(sums, nt, wr, ld_w, xg, ld_x, d, ahead, self);
-      } else if (nr == 2) {
-        tile_nt<2>(sums, nt, wr, ld_w, xg, ld_x, d, ahead, self);
-      } else {
-        tile_nt<1>(sums, nt, wr, ld_w, xg, ld_x, d, ahead, self);
-      }
+      tile(sums, nr, nt, wr, x + tg * ld_x, ahead, self);
       for (int r = 0; r < nr; ++r)
         for (int t = 0; t < nt; ++t) {
           float& o = out[(tg + t) * ld_out + r0 + r];
@@ -222,6 +212,33 @@ TILEDECODE_TARGET_AVX2 inline void bf16_rows_dot(float* out, index_t ld_out, con
         }
     }
   }
+}
+
+}  // namespace bf16_rows_detail
+
+// out[t*ld_out + r] = float(Σ_{k<d} x[t*ld_x + k] * w[r*ld_w + k]) (with kAccumulate:
+// float(double(out) + Σ)) for t < n_tok, r < n_rows, d % 8 == 0, in the two-level order. Rows
+// [n_rows, n_rows_pf) of w exist and may be prefetched (the rows the caller's next call reads);
+// pass n_rows_pf = n_rows when there are none.
+template <bool kAccumulate>
+TILEDECODE_TARGET_AVX2 inline void bf16_rows_dot(float* out, index_t ld_out, const float* x,
+                                                 index_t ld_x, index_t n_tok, const bf16* w,
+                                                 index_t ld_w, index_t n_rows, index_t d,
+                                                 index_t n_rows_pf) {
+  using namespace bf16_rows_detail;
+  bf16_rows_pass<kAccumulate>(
+      out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d, n_rows_pf,
+      [d, ld_w, ld_x](double(*sums)[kBf16TileTokens], int nr, int nt, const bf16* wr,
+                      const float* xg, const Prefetch& ahead, const Prefetch& self)
+          TILEDECODE_TARGET_AVX2 {
+            if (nr == 3) {
+              tile_nt<3>(sums, nt, wr, ld_w, xg, ld_x, d, ahead, self);
+            } else if (nr == 2) {
+              tile_nt<2>(sums, nt, wr, ld_w, xg, ld_x, d, ahead, self);
+            } else {
+              tile_nt<1>(sums, nt, wr, ld_w, xg, ld_x, d, ahead, self);
+            }
+          });
 }
 
 }  // namespace tiledecode::cpu::avx2

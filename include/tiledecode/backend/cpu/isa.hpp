@@ -19,11 +19,14 @@
 //   avx512     avx2 + AVX-512 F, BW, VL, VNNI and BF16 (Ice Lake / Sapphire Rapids Xeon, Zen 4,
 //              Zen 5). It does not need AVX-VNNI (Zen 4 has AVX-512 VNNI but not the VEX form).
 //              The same four INT8 matmuls run on the 512-bit vpdpbusd (64 pairs per
-//              instruction; backend/cpu/*_avx512.hpp), exact like the other tiers, so this tier
-//              too is bit-identical to avx2. The floating-point kernels (sparse attention, the
-//              compressors, wo_a, hc_pre/hc_post, the BF16 q/kv projections) run the AVX2
-//              micro-kernels on this tier for now, so its outputs equal the avx2 tier's bit for
-//              bit everywhere.
+//              instruction; backend/cpu/*_avx512.hpp), exact like the other tiers, and the
+//              output projection's wo_a runs on vdpbf16ps (BF16 × BF16 pairs, FP32 lanes, twice
+//              the FP32 FMA rate on Zen 4; bf16_rows_avx512.hpp): its own summation order, so
+//              the output projection matches golden within tolerance but not avx2 bit for bit,
+//              and subnormal inputs count as zero there (docs/security.md). The other
+//              floating-point kernels (sparse attention, the compressors, hc_pre/hc_post, the
+//              BF16 q/kv projections) run the AVX2 micro-kernels on this tier for now, so every
+//              other output equals the avx2 tier's bit for bit.
 // Kernels test `has_avx2(isa)` for the AVX2 code, and `isa == Isa::avx2_vnni` /
 // `isa == Isa::avx512` only where a kernel for that tier exists (`has_vnni(isa)`: either).
 

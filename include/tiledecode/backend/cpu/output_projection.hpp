@@ -24,6 +24,7 @@
 #include <string>
 
 #include "tiledecode/backend/cpu/backend.hpp"
+#include "tiledecode/backend/cpu/bf16_rows_avx512.hpp"
 #include "tiledecode/backend/cpu/output_projection_avx2.hpp"
 #include "tiledecode/backend/cpu/output_projection_avx512.hpp"
 #include "tiledecode/backend/cpu/quant.hpp"
@@ -57,6 +58,7 @@ struct Layout {
 };
 
 struct ScalarOps {
+  static constexpr bool kBf16Activations = false;  // wo_a reads the FP32 copy of o_packed
   static void a_chunk(float* out, std::int64_t ldout, const float* o, std::int64_t ldo, int nt,
                       const bf16* w, std::int64_t ldw, int nr, int kc, int /*nr_pf*/) {
     // The shared two-level order (8 FP32 lanes per 64-k block, double across blocks): a single
@@ -77,6 +79,7 @@ struct ScalarOps {
 
 #if TILEDECODE_X86
 struct Avx2Ops {
+  static constexpr bool kBf16Activations = false;
   static void a_chunk(float* out, std::int64_t ldout, const float* o, std::int64_t ldo, int nt,
                       const bf16* w, std::int64_t ldw, int nr, int kc, int nr_pf) {
     avx2::oproj_a_chunk(out, ldout, o, ldo, nt, w, ldw, nr, kc, nr_pf);
@@ -96,8 +99,14 @@ struct Avx2VnniOps : Avx2Ops {
     avx2_vnni::oproj_b_pair(p, ldp, a, lda, nt, w, ldw, kr, a_sum, ld_sum);
   }
 };
-// avx512: the avx2 wo_a stage, the 512-bit vpdpbusd wo_b tile.
+// avx512: wo_a on vdpbf16ps with the BF16 o_packed rows (bf16_rows_avx512.hpp; not the avx2
+// order), the 512-bit vpdpbusd wo_b tile.
 struct Avx512Ops : Avx2Ops {
+  static constexpr bool kBf16Activations = true;  // wo_a reads the BF16 copy of o_packed
+  static void a_chunk_bf16(float* out, std::int64_t ldout, const bf16* o, std::int64_t ldo, int nt,
+                           const bf16* w, std::int64_t ldw, int nr, int kc, int nr_pf) {
+    avx512::bf16_rows_dot<true>(out, ldout, o, ldo, nt, w, ldw, nr, kc, nr_pf);
+  }
   static void b_pair(std::int32_t* p, std::int64_t ldp, const std::int8_t* a, std::int64_t lda,
                      int nt, const std::int8_t* w, std::int64_t ldw, int kr,
                      const std::int32_t* a_sum, std::int64_t ld_sum) {
@@ -118,7 +127,7 @@ using MicroOps = ScalarOps;
 template <Isa I>
 struct Schedule {
   Cpu<I> be;
-  float* of;           // (G*T, K) FP32 o_packed
+  float* of;           // (G*T, K) FP32 o_packed (Ops::kBf16Activations: BF16, same start)
   float* orr;          // (T, G, R) o_r
   std::int8_t* a;      // (T, G*R) Q8 activations
   float* adq;          // (T, G)
@@ -164,9 +173,14 @@ struct backend_ops_output_projection {
     using namespace output_projection_detail;
     const ModelConfig& cfg = *x.cfg;
     const index_t T = x.tokens(), G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in();
+    [[maybe_unused]] bf16* const ob = reinterpret_cast<bf16*>(s.of);  // the BF16 copy
     s.be.tasks((g1 - g0) * T, [&](std::int64_t i) {
       const index_t row = g0 * T + i;
-      for (index_t k = 0; k < K; ++k) s.of[row * K + k] = x.o_packed(row, k).to_float();
+      if constexpr (Ops::kBf16Activations) {
+        for (index_t k = 0; k < K; ++k) ob[row * K + k] = x.o_packed(row, k);
+      } else {
+        for (index_t k = 0; k < K; ++k) s.of[row * K + k] = x.o_packed(row, k).to_float();
+      }
     });
     for (index_t t = 0; t < T; ++t)
       for (index_t g = g0; g < g1; ++g) std::fill_n(s.orr + (t * G + g) * R, R, 0.0f);
@@ -180,8 +194,13 @@ struct backend_ops_output_projection {
         for (index_t t0 = 0; t0 < T; t0 += kTokTile) {
           const int nt = int(std::min<index_t>(kTokTile, T - t0));
           // The rows after this task's, up to the end of the group, may be prefetched.
-          Ops::a_chunk(s.orr + (t0 * G + g) * R + r0, G * R, s.of + (g * T + t0) * K + k0, K, nt,
-                       w + k0, x.wo_a.stride(1), nr, kc, int(R - r0));
+          if constexpr (Ops::kBf16Activations) {
+            Ops::a_chunk_bf16(s.orr + (t0 * G + g) * R + r0, G * R, ob + (g * T + t0) * K + k0, K,
+                              nt, w + k0, x.wo_a.stride(1), nr, kc, int(R - r0));
+          } else {
+            Ops::a_chunk(s.orr + (t0 * G + g) * R + r0, G * R, s.of + (g * T + t0) * K + k0, K, nt,
+                         w + k0, x.wo_a.stride(1), nr, kc, int(R - r0));
+          }
         }
       }
     });
