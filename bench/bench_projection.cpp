@@ -7,7 +7,8 @@
 // Counters:
 //   FLOP/s, OP/s        BF16-part FLOP and INT8-part OP per second (wall time)
 //   weight_Bps          weight bytes per second (wall time)
-//   pct_of_compute      compute roofline (FLOP / FMA ceiling + OP / INT8 ceiling)
+//   pct_of_compute      compute roofline (FLOP / BF16 multiply-add ceiling + OP / INT8 ceiling;
+//                       the machine's best loops: tdbench::bf16_mac_gflops, int8_machine_gops)
 //                       ÷ measured time; one thread: CPU time against the CPU-time ceilings
 //                       (robust to other tenants), several: wall time against threads × ceiling
 //   pct_of_read_bw      weight bytes ÷ read ceiling (read_gbps_cpu / read_gbps(threads)) ÷ time
@@ -131,7 +132,7 @@ void bm_qkv(benchmark::State& state, td::ModelConfig cfg, bool packed) {
   // Roofline times per call against the per-core CPU-time ceilings. One thread: against CPU time
   // per call; several: compute ceiling × threads and read_gbps(threads) against wall time (rate
   // counters: value · iterations ÷ elapsed seconds).
-  const double fma1 = tdbench::fp32_fma_gflops_cpu() * 1e9;
+  const double fma1 = tdbench::bf16_mac_gflops<true>() * 1e9;    // BF16 x_n × BF16 wq_a / wkv
   const double i8_1 = tdbench::int8_machine_gops<true>() * 1e9;  // the machine's best INT8 loop
   if (threads == 1) {
     const double t_cmp = flops / fma1 + ops / i8_1,
@@ -149,7 +150,7 @@ void bm_qkv(benchmark::State& state, td::ModelConfig cfg, bool packed) {
     state.counters["memory_bound"] = t_mem > t_cmp ? 1 : 0;
     state.counters["pct_of_ceiling"] = C(100.0 * std::max(t_cmp, t_mem) * n, C::kIsRate);
   }
-  state.counters["cpu_fma_gflops"] = fma1 * 1e-9;
+  state.counters["cpu_bf16_mac_gflops"] = fma1 * 1e-9;
   state.counters["cpu_int8_gops"] = i8_1 * 1e-9;
   state.SetLabel(std::string(td::cpu::to_string(ctx.isa)));
 }

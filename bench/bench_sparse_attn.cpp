@@ -14,7 +14,7 @@
 //     pct_of_ceiling      = (FLOP / kernel CPU-s) ÷ cpu_fma_gflops          (per busy core)
 //     pct_of_ceiling_wall = (FLOP / wall-s) ÷ (tdbench::fp32_fma_gflops() · threads)
 //   output projection: weights read once per call (wo_a BF16 + wo_b INT8);
-//     pct_of_compute = (wo_a FLOP / cpu_fma + wo_b OP / cpu_int8) ÷ kernel CPU-s
+//     pct_of_compute = (wo_a FLOP / cpu BF16 MAC ceiling + wo_b OP / cpu_int8) ÷ kernel CPU-s
 //     pct_of_read_bw = one thread: (bytes / kernel CPU-s) ÷ tdbench::read_gbps_cpu() (the
 //                      read_gbps(1) loop in CPU time); more threads: (bytes / wall-s) ÷
 //                      tdbench::read_gbps(threads)
@@ -196,7 +196,9 @@ void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int threa
   const double bytes = G * R * K * 2 + N * G * R + T * G * K * 2 + T * N * 2;
   // Roofline times: memory (wall, `threads` readers) and compute (CPU-s of one core).
   const double t_mem = bytes / (tdbench::read_gbps(threads) * 1e9);
-  const double c_cmp = flops_a / (cpu_fma_gflops() * 1e9) + ops_b / (cpu_int8_gops() * 1e9);
+  // wo_a multiplies BF16 o_packed by BF16 weights: the machine's BF16 multiply-add ceiling.
+  const double c_cmp =
+      flops_a / (tdbench::bf16_mac_gflops<true>() * 1e9) + ops_b / (cpu_int8_gops() * 1e9);
   const double t = secs / n, c = cpu / n;
   // One thread: bandwidth per CPU-second against the CPU-time read ceiling (robust to the load);
   // several threads: wall-clock bandwidth against read_gbps(threads).
@@ -234,8 +236,8 @@ void bm_ceilings(benchmark::State& state) {
   state.counters["cpu_int8_vnni512_gops"] = tdbench::int8_vnni512_gops<true>();
   state.counters["cpu_fma512_gflops"] = tdbench::fp32_fma512_gflops<true>();
   state.counters["cpu_bf16_dot_gflops"] = tdbench::bf16_dot_gflops<true>();
-  state.SetLabel(std::string("fp32 ceiling ") + tdbench::fp32_fma_kind() + ", int8 ceiling " +
-                 tdbench::int8_machine_kind());
+  state.SetLabel(std::string("fp32 ceiling ") + tdbench::fp32_fma_kind() + ", bf16 ceiling " +
+                 tdbench::bf16_mac_kind() + ", int8 ceiling " + tdbench::int8_machine_kind());
 }
 
 const int kRegistered = [] {

@@ -14,9 +14,10 @@
 //       AVX-512 VNNI loop (512-bit vpdpbusd, 64 pairs; 0 without the avx512 tier), the ceiling
 //       of the INT8 instructions a kernel running with `isa` can use, and the best INT8 ceiling
 //       of the machine (int8_machine_kind() names its loop) that pct_of_ceiling uses.
-//   fp32_fma512_gflops(), bf16_dot_gflops()
+//   fp32_fma512_gflops(), bf16_dot_gflops(), bf16_mac_gflops()
 //       the 512-bit FMA loop and the vdpbf16ps loop (BF16 pairs into FP32, 2 FLOP per pair);
-//       0 without the avx512 tier.
+//       0 without the avx512 tier; and the ceiling of BF16 × BF16 multiply-adds (the better of
+//       the FMA and vdpbf16ps loops: bf16_mac_kind() names it).
 //   read_gbps(n)
 //       streaming read bandwidth over a 256 MiB buffer with n threads.
 // CPU time of the calling thread (robust to other jobs on a shared machine; per busy core):
@@ -479,6 +480,18 @@ inline double fp32_fma_gflops_cpu() {
 // Which loop sets fp32_fma_gflops(): "fma512" or "fma256".
 inline const char* fp32_fma_kind() {
   return fp32_fma512_gflops<false>() > detail::fma_rate(false) ? "fma512" : "fma256";
+}
+
+// The ceiling of multiply-adds whose two operands are BF16 (the BF16 projections: x_n, o_packed
+// and the compressor inputs are BF16 like their weights): the FP32 FMA ceiling, or vdpbf16ps where
+// the CPU has it and it is faster (Zen 4: 229 against 113 GFLOP/s), whatever tier ran.
+template <bool kCpuTime = false>
+double bf16_mac_gflops() {
+  return std::max(kCpuTime ? fp32_fma_gflops_cpu() : fp32_fma_gflops(),
+                  bf16_dot_gflops<kCpuTime>());
+}
+inline const char* bf16_mac_kind() {
+  return bf16_dot_gflops<false>() > fp32_fma_gflops() ? "vdpbf16ps" : fp32_fma_kind();
 }
 
 // Aggregate FP32 FMA rate (GFLOP/s, wall clock) of `threads` threads each running fma_loop at
