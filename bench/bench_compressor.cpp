@@ -215,7 +215,7 @@ double max_of(const std::vector<double>& v) {
 
 void args(benchmark::internal::Benchmark* b) {
   for (int threads : {1, 2})
-    for (int T : {8, 16, 32, 64, 128}) b->Args({T, threads});
+    for (int T : {8, 16, 32, 64, 128, 256, 512}) b->Args({T, threads});  // B = T / 2 <= 256
   b->ArgNames({"T", "threads"})->UseRealTime()->Unit(benchmark::kMicrosecond);
   b->ComputeStatistics("max", max_of);
 }

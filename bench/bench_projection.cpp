@@ -158,7 +158,8 @@ void bm_qkv(benchmark::State& state, td::ModelConfig cfg, bool packed) {
 const int kRegistered = [] {
   auto* f = benchmark::RegisterBenchmark("qkv_projection_flash", bm_qkv, td::flash_config(), true);
   for (int threads : {1, 2})
-    for (int T : {8, 16, 32, 64}) f->Args({T, threads});
+    // T = B·S: B = 4 .. 32 at S = 2, and the large batches up to B = 256 (S = 2) / 64 (S = 8).
+    for (int T : {8, 16, 32, 64, 128, 256, 512}) f->Args({T, threads});
   f->ArgNames({"T", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("qkv_projection_flash_unpacked", bm_qkv, td::flash_config(), false)
       ->Args({8, 1})
