@@ -464,11 +464,16 @@ double int8_vnni512_gops() {
   return v;
 }
 
+// The 256-bit FMA loop alone (GFLOP/s, wall clock), measured once per process.
+inline double fp32_fma256_gflops() {
+  static const double v = detail::fma_rate(false);
+  return v;
+}
+
 // Single-thread FP32 FMA ceiling in GFLOP/s (2 FLOP per lane per FMA), wall clock: the better of
 // the 256-bit and the 512-bit loop (the machine's ceiling, whatever tier the kernel ran).
 inline double fp32_fma_gflops() {
-  static const double v = std::max(detail::fma_rate(false), fp32_fma512_gflops<false>());
-  return v;
+  return std::max(fp32_fma256_gflops(), fp32_fma512_gflops<false>());
 }
 
 // The same, per CPU-second of the calling thread: the per-busy-core ceiling on a shared machine.
@@ -479,7 +484,7 @@ inline double fp32_fma_gflops_cpu() {
 
 // Which loop sets fp32_fma_gflops(): "fma512" or "fma256".
 inline const char* fp32_fma_kind() {
-  return fp32_fma512_gflops<false>() > detail::fma_rate(false) ? "fma512" : "fma256";
+  return fp32_fma512_gflops<false>() > fp32_fma256_gflops() ? "fma512" : "fma256";
 }
 
 // The ceiling of multiply-adds whose two operands are BF16 (the BF16 projections: x_n, o_packed
