@@ -39,7 +39,7 @@ struct QkvProblem {
   index_t T;
   std::vector<td::Tensor<bf16, 2>> wq_a, wkv;
   std::vector<td::Tensor<std::int8_t, 2>> wq_b;
-  std::vector<td::QkvPackedWqB> wq_b_packed;  // the load-time copy, where the CPU has AVX-VNNI
+  std::vector<td::QkvPackedWqB> wq_b_packed;  // the load-time copy, where the CPU has a VNNI tier
   td::Tensor<bf16, 1> gamma_cq, gamma_ckv;
   td::Tensor<float, 1> wq_b_scale;
   td::Tensor<bf16, 2> x, kv;

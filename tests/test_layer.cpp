@@ -255,18 +255,20 @@ TEST(QkvProjection, VnniTierBitIdenticalToAvx2) {
 }
 
 // The packed wq_b path (kernels::pack_qkv_wq_b + avx2_vnni::matmul_i8_packed, or
-// avx512::matmul_i8_packed) against the avx2 tier on the plain wq_b: every output byte, T = 8 and
-// odd T = 5 (a partial token tile), 1 and 2 threads, with INT8 extremes (-128 / 127) in wq_b and a
-// wq_b column block all -128 / all 127.
+// avx512::matmul_i8_packed) against the avx2 tier on the plain wq_b: every output byte, T = 8,
+// odd T = 5 (a partial token tile) and T = 29 (past avx512's 24-token chunk), 1 and 2 threads, with
+// INT8 extremes (-128 / 127) in wq_b and a wq_b column block all -128 / all 127.
 void expect_packed_tier_bit_identical(td::cpu::Isa tier) {
-  for (index_t T : {8, 5}) {
+  for (index_t T : {8, 5, 29}) {
     QkvFixture f(td::flash_config(), T, 40 + std::uint64_t(T));
     auto* wb = f.wq_b.data();
     for (std::size_t i = 0; i < f.wq_b.size(); i += 5) wb[i] = (i / 5) % 2 ? -128 : 127;
     const index_t N = f.wq_b.view().extent(1);
     for (index_t k = 0; k < f.cfg.q_lora; ++k)
       for (index_t n = 0; n < 16; ++n) wb[k * N + 512 + n] = n < 8 ? -128 : 127;  // head 1
-    const td::QkvPackedWqB packed = td::kernels::pack_qkv_wq_b(f.cfg, f.wq_b.view());
+    // The tier's own layout (avx512: 16 columns per vector, avx2_vnni: 8).
+    const td::QkvPackedWqB packed =
+        td::kernels::pack_qkv_wq_b(f.cfg, f.wq_b.view(), tier == td::cpu::Isa::avx512 ? 16 : 8);
     for (int threads : {1, 2}) {
       std::unique_ptr<td::ThreadPool> pool;
       if (threads > 1) pool = std::make_unique<td::ThreadPool>(threads);
@@ -295,36 +297,38 @@ TEST(QkvProjection, PackedAvx512BitIdenticalToAvx2) {
 
 // The packed kernel alone against the scalar twin, on activations the projection cannot produce
 // (Q8 stops at ±127): random INT8 incl. -128, all -128 × all -128 (the largest |sum|) and
-// -128 × 127, T = 1..8, K = 1024 and 256, several column widths (register-tile tails; the
-// avx512 kernel takes multiples of 16 columns, the avx2_vnni one multiples of 8).
+// -128 × 127, T = 1..8 and 11..26, K = 1024 and 256, several column widths (register-tile tails;
+// the avx512 kernel takes multiples of 16 columns, the avx2_vnni one multiples of 8).
 #if TILEDECODE_X86
 template <class Matmul>
-void expect_packed_matmul_exact(Matmul&& matmul, std::initializer_list<index_t> widths) {
+void expect_packed_matmul_exact(Matmul&& matmul, index_t vector_cols,
+                                std::initializer_list<index_t> widths) {
   tdtest::Rng rng(77);
   for (index_t K : {1024, 256}) {
     td::ModelConfig cfg = td::flash_config();
     cfg.q_lora = int(K);
     cfg.n_heads = 1;
     const index_t N = cfg.head_dim;
-    td::Tensor<std::int8_t, 2> w({K, N}), a({8, K});
+    constexpr int kMaxT = 26;  // past the avx512 kernel's 24-token chunk of its projection
+    td::Tensor<std::int8_t, 2> w({K, N}), a({kMaxT, K});
     for (int mode = 0; mode < 3; ++mode) {
       for (index_t i = 0; i < K * N; ++i)
         w.data()[i] = mode == 0 ? std::int8_t(rng.integer(-128, 127)) : std::int8_t(-128);
-      for (index_t i = 0; i < 8 * K; ++i)
+      for (index_t i = 0; i < kMaxT * K; ++i)
         a.data()[i] = mode == 0   ? std::int8_t(rng.integer(-128, 127))
                       : mode == 1 ? std::int8_t(-128)
                                   : std::int8_t(127);
-      const td::QkvPackedWqB p = td::kernels::pack_qkv_wq_b(cfg, w.view());
-      std::int32_t a_sum[8];
-      for (int t = 0; t < 8; ++t) {
+      const td::QkvPackedWqB p = td::kernels::pack_qkv_wq_b(cfg, w.view(), vector_cols);
+      std::int32_t a_sum[kMaxT];
+      for (int t = 0; t < kMaxT; ++t) {
         a_sum[t] = 0;
         for (index_t k = 0; k < K; ++k) a_sum[t] += a.data()[t * K + k];
       }
       constexpr index_t kLd = 520;
-      for (int T = 1; T <= 8; ++T)
+      for (int T : {1, 2, 3, 4, 5, 6, 7, 8, 11, 17, 24, kMaxT})
         for (index_t width : widths) {
           if (width == 0) width = N;
-          std::vector<std::int32_t> ref(8 * kLd, -1), got(8 * kLd, -1);
+          std::vector<std::int32_t> ref(kMaxT * kLd, -1), got(kMaxT * kLd, -1);
           td::kernels::detail::matmul_i8_axpy_scalar(ref.data(), kLd, a.data(), K, T, w.data(), N,
                                                      K, 0, width);
           matmul(got.data(), kLd, a.data(), K, a_sum, T, p.data.data(), K, width);
@@ -337,14 +341,14 @@ void expect_packed_matmul_exact(Matmul&& matmul, std::initializer_list<index_t> 
 TEST(QkvProjection, PackedVnniMatmulExactOnExtremes) {
   if (!td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni)) GTEST_SKIP() << "no AVX-VNNI on this CPU";
   // 0: the whole head (N columns).
-  expect_packed_matmul_exact([](auto... args) { td::cpu::avx2_vnni::matmul_i8_packed(args...); },
+  expect_packed_matmul_exact([](auto... args) { td::cpu::avx2_vnni::matmul_i8_packed(args...); }, 8,
                              {0, 40, 16, 8});
 }
 
 TEST(QkvProjection, PackedAvx512MatmulExactOnExtremes) {
   if (!td::cpu::cpu_supports(td::cpu::Isa::avx512))
     GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
-  expect_packed_matmul_exact([](auto... args) { td::cpu::avx512::matmul_i8_packed(args...); },
+  expect_packed_matmul_exact([](auto... args) { td::cpu::avx512::matmul_i8_packed(args...); }, 16,
                              {0, 144, 48, 32, 16});
 }
 #else

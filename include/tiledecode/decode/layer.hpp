@@ -99,8 +99,10 @@ struct LayerWeightsStorage {
   Tensor<bf16, 1> inner_norm_w;
   kernels::IndexerQueryWeights idx_packed;  // filled by pack()
   // wq_b for the VNNI q/kv projection (avx2_vnni, avx512), filled by pack() where the CPU has
-  // one of those tiers: a
-  // second copy of wq_b (Q_LORA·H·512 bytes, flash 32 MB per layer), not counted in bytes().
+  // one of those tiers, in the layout of the best one (16 columns per vector where the CPU has
+  // AVX-512, else 8; a step forced to the other VNNI tier runs its matmul on the plain wq_b, same
+  // integers): a second copy of wq_b (Q_LORA·H·512 bytes, flash 32 MB per layer), not counted in
+  // bytes().
   QkvPackedWqB wq_b_packed;
 
   LayerWeightsStorage() = default;

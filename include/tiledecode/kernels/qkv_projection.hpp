@@ -34,14 +34,18 @@
 
 namespace tiledecode {
 
-// wq_b repacked for the CPU's VNNI tiers, avx2_vnni and avx512 (cpu::pack_qkv_wq_b, layout at
-// cpu::avx2_vnni::matmul_i8_packed): u8 (w + 128) k-quads of 8 columns, column-vector-major, so
-// one head's 512 columns × Q_LORA rows are one contiguous run (512 KB for flash). A second copy
-// of wq_b, same size (flash: 32 MB per layer), made at load time only where the CPU has AVX-VNNI;
-// the original stays (the other tiers, golden and the a2a3 backend read it).
+// wq_b repacked for the CPU's VNNI tiers, avx2_vnni and avx512 (kernels::pack_qkv_wq_b): u8
+// (w + 128) k-quads of `vector_cols` columns, column-vector-major, so one head's 512 columns ×
+// Q_LORA rows are one contiguous run (512 KB for flash). vector_cols = 8 is the avx2_vnni layout
+// (cpu::avx2_vnni::matmul_i8_packed: one 256-bit operand per quad), 16 the avx512 one
+// (cpu::avx512::matmul_i8_packed: one 512-bit operand per quad); a tier given the other layout
+// runs its matmul on the plain wq_b instead (the same integers). A second copy of wq_b, same size
+// (flash: 32 MB per layer), made at load time only where the CPU has a VNNI tier; the original
+// stays (the other tiers, golden and the a2a3 backend read it).
 struct QkvPackedWqB {
-  index_t q_lora = 0;  // K
-  index_t cols = 0;    // H*512
+  index_t q_lora = 0;       // K
+  index_t cols = 0;         // H*512
+  index_t vector_cols = 8;  // columns per packed vector: 8 or 16
   Buffer<std::uint8_t> data;
 };
 
@@ -128,6 +132,8 @@ inline void validate(const QkvArgs& a) {
     check_equal(where, "w.wq_b_packed->q_lora", pk->q_lora, QL);
     check_equal(where, "w.wq_b_packed->cols", pk->cols, H * HD);
     check_equal(where, "w.wq_b_packed->data.size()", index_t(pk->data.size()), QL * H * HD);
+    if (pk->vector_cols != 8 && pk->vector_cols != 16)
+      throw_arg(where, "w.wq_b_packed->vector_cols", pk->vector_cols, "8 or 16");
   }
 }
 
