@@ -16,10 +16,12 @@
 //   pct_of_fma        FLOP/s ÷ (threads × single-core BF16 multiply-add ceiling) × 100 (the
 //                     FP32 FMA loop, or vdpbf16ps where the CPU has it and it is faster)
 //   pct_of_ceiling_cpu  (1 thread) pct_of_ceiling over the thread's CPU time instead of wall time
+//   cpu_us_per_step     (1 thread) the thread's CPU time per step, µs
 // Shared machines: run with --benchmark_repetitions=N; the `median` and `max` aggregates of the
 // rate counters bracket the typical and the least disturbed run.
 // `_boundary` variants put a window boundary on every request's second token (pooling, norm,
-// rope and the cache store on top of the projections).
+// rope and the cache store on top of the projections); `_boundary_avx2` runs them on the avx2 tier
+// (the pooling's 4-lane double path) on a CPU whose default is avx512, and is skipped elsewhere.
 #include <benchmark/benchmark.h>
 
 #include <time.h>
@@ -170,12 +172,17 @@ double thread_cpu_seconds() {
   return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
 
-void run(benchmark::State& st, Kind kind, bool boundary) {
+void run(benchmark::State& st, Kind kind, bool boundary, bool force_avx2 = false) {
   const int T = int(st.range(0)), threads = int(st.range(1));
+  if (force_avx2 && td::cpu::detect_isa() != td::cpu::Isa::avx512) {
+    st.SkipWithError("the default tier is already avx2 or lower (see the _boundary rows)");
+    return;
+  }
   const double read_bw = tdbench::read_gbps(1) * 1e9;   // measured once per process
   const double fma = tdbench::bf16_mac_gflops() * 1e9;  // BF16 inputs × BF16 weights
   Setup s(kind, T, boundary);
-  const td::cpu::Context ctx{threads > 1 ? &pool2() : nullptr, td::cpu::detect_isa()};
+  const td::cpu::Context ctx{threads > 1 ? &pool2() : nullptr,
+                             force_avx2 ? td::cpu::Isa::avx2 : td::cpu::detect_isa()};
   index_t copy = 0;
   const double cpu0 = thread_cpu_seconds();
   for (auto _ : st) {
@@ -199,6 +206,9 @@ void run(benchmark::State& st, Kind kind, bool boundary) {
     // The same ratio over the thread's CPU time: what it reaches while it actually runs, when
     // other processes time-slice the core (shared machines).
     st.counters["pct_of_ceiling_cpu"] = wbytes * it / cpu_s / read_bw * 100;
+    // The thread's CPU time per step (µs): an A/B on a shared machine compares these, which
+    // time-slicing by other processes does not inflate (wall time does).
+    st.counters["cpu_us_per_step"] = cpu_s / it * 1e6;
   }
   st.counters["read_GBps_1t"] = read_bw * 1e-9;
   st.counters["bf16_mac_GFLOPs_1t"] = fma * 1e-9;
@@ -242,6 +252,15 @@ void BM_hca_compressor_boundary(benchmark::State& st) {
 void BM_indexer_compressor_boundary(benchmark::State& st) {
   run(st, Kind::inner, true);
 }
+void BM_csa_compressor_boundary_avx2(benchmark::State& st) {
+  run(st, Kind::csa, true, true);
+}
+void BM_hca_compressor_boundary_avx2(benchmark::State& st) {
+  run(st, Kind::hca, true, true);
+}
+void BM_indexer_compressor_boundary_avx2(benchmark::State& st) {
+  run(st, Kind::inner, true, true);
+}
 
 BENCHMARK(BM_csa_compressor)->Apply(args);
 BENCHMARK(BM_hca_compressor)->Apply(args);
@@ -249,6 +268,9 @@ BENCHMARK(BM_indexer_compressor)->Apply(args);
 BENCHMARK(BM_csa_compressor_boundary)->Apply(boundary_args);
 BENCHMARK(BM_hca_compressor_boundary)->Apply(boundary_args);
 BENCHMARK(BM_indexer_compressor_boundary)->Apply(boundary_args);
+BENCHMARK(BM_csa_compressor_boundary_avx2)->Apply(boundary_args);
+BENCHMARK(BM_hca_compressor_boundary_avx2)->Apply(boundary_args);
+BENCHMARK(BM_indexer_compressor_boundary_avx2)->Apply(boundary_args);
 
 }  // namespace
 

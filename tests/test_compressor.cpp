@@ -251,9 +251,11 @@ Outputs run_kernel(const Fixture& f, td::cpu::Isa isa, int threads,
 
 std::vector<td::cpu::Isa> isas() {
   // avx2_vnni runs this kernel's avx2 code unchanged (only the INT8 indexer score and wo_b have
-  // VNNI paths), so it is not run twice here; test_layer covers every tier end to end.
+  // VNNI paths), so it is not run twice here; test_layer covers every tier end to end. avx512 has
+  // its own pooling (8 double lanes, backend/cpu/compressor_avx512.hpp).
   std::vector<td::cpu::Isa> v{td::cpu::Isa::scalar};
   if (td::cpu::cpu_has_avx2()) v.push_back(td::cpu::Isa::avx2);
+  if (td::cpu::cpu_has_avx512()) v.push_back(td::cpu::Isa::avx512);
   return v;
 }
 
@@ -518,6 +520,21 @@ TEST(IndexerCompressor, BitIdenticalForAnyThreadCount) {
     const Outputs one = run_kernel(f, isa, 1);
     expect_identical(one, run_kernel(f, isa, 2), "2 threads");
     expect_identical(one, run_kernel(f, isa, 7), "7 threads");
+  }
+}
+
+// --- Every tier gives the same bits ------------------------------------------------------------
+// The projections share one order (backend/cpu/bf16_rows_avx2.hpp), and the pooling in double, the
+// norm, the RoPE and the Hadamard are the same operations on every tier (kernels/compressor.hpp,
+// "Pooling in double"), so every tier this machine has must match the scalar tier bit for bit.
+TEST(CompressorTiers, BitIdenticalAcrossTiers) {
+  for (Kind k : {Kind::csa, Kind::hca, Kind::inner}) {
+    SCOPED_TRACE(int(k));
+    const Fixture f = make_fixture({.kind = k, .starts = {8702, 3, 2, 8190}, .seed = 31});
+    ASSERT_GT(f.emitted(), 0);
+    const Outputs ref = run_kernel(f, td::cpu::Isa::scalar, 2);
+    for (td::cpu::Isa isa : td::cpu::supported_isas())
+      expect_identical(ref, run_kernel(f, isa, 2), std::string(td::cpu::to_string(isa)));
   }
 }
 

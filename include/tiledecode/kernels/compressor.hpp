@@ -50,10 +50,52 @@
 // step and dominate. Tasks own 24 weight rows; a 3-row × 4-token register tile (BF16 → FP32 by a
 // shift, FMA into lane-wise accumulators) makes one pass over K per token group, so the weights
 // stream from DRAM once per step (software prefetch ahead) and are re-read from L1/L2 by later
-// token groups. Pooling is an online softmax over chunks of 8 candidates. Work is split by shape
-// only (weight rows, channels), each output has one fixed reduction order, so results are
-// bit-identical for any thread count. The AVX2 path is chosen by ctx.isa; the scalar twin is always
-// compiled.
+// token groups. Pooling runs in double (below). Work is split by shape only (weight rows,
+// channels), each output has one fixed reduction order, so results are bit-identical for any
+// thread count. The AVX2 / AVX-512 path is chosen by ctx.isa; the scalar twin is always compiled.
+//
+// Pooling in double (issue 17: every value rounded to BF16 or INT8 is accurate to the last bit
+// first). y is rounded to BF16 (the cmp_kv row, the inner compressor's Hadamard input), so an error
+// of one FP32 ulp in the pooled value flips that rounding whenever y lies within the ulp of a BF16
+// midpoint (the issue's example: a pooled 0.876953065, one FP32 ulp below the midpoint of 0.875 and
+// 0.87890625, rounded to 0.875). An FP32 pooling is off by more than an ulp: each weight e^(s - m)
+// carries the exp's relative error ε_j (~2^-23), which moves the pooled value by
+// Σ_j w_j ε_j (kv_j - pooled); the kv spread exceeds the pooled mean (n candidates of N(0, σ) pool
+// to ~σ/√n), so that is several pooled ulps, plus the FP32 sums' own roundings. The CPU tiers
+// therefore pool in double:
+//   m = the FP32 max of the scores (exact); x_j = s_j - m in double (exact: two FP32 values);
+//   p_j = cpu::pool_exp_f64(x_j): a one-constant ln2 reduction and a degree-10 Taylor polynomial,
+//     relative error <= 2.2e-13 + a few double ulps (x < -708 gives 0: below 1e-307 of the
+//     maximum's weight 1);
+//   l = Σ_j p_j, acc = Σ_j fma(p_j, kv_j, acc), ascending j, in double; pooled = acc / l;
+//   the RMSNorm and the RoPE read that double (kept as an FP32 pair hi + lo, 48 significant bits)
+//   and round y once to FP32.
+// The error before that rounding is ~1e-12 relative, ~1e-5 of an FP32 ulp, so y is the correctly
+// rounded FP32 value of the exact one except for about one value in 10^5–10^6, and its BF16 is
+// golden's (which rounds its double y to FP32, then BF16, the same two steps). The inner
+// compressor's Hadamard z = bf16(y) · H is summed in double in ascending i as well (each BF16 ×
+// BF16 product is exact) and rounded once to FP32, then to BF16, as golden does.
+// Every tier runs the same operations lane for lane (scalar: one channel at a time, std::fma for
+// the vector FMAs; AVX2: 4 double lanes; AVX-512: 8), so scalar, avx2, avx2_vnni and avx512 give
+// the same bits (tests/test_compressor.cpp, CompressorTiers.BitIdenticalAcrossTiers).
+// Measured (tests/test_rounding.cpp, ctest rounding.*Compressor*, rounding.IndexerHadamard*; Xeon
+// Sapphire Rapids, every tier the same; pooling-only steps at the projections' and the fixtures'
+// state statistics): emitted values whose rounding differs from golden's,
+//                              double (now)      FP32 (before, same data)
+//   CSA cmp_kv BF16            0 / 524288        25 (4.8e-5)
+//   HCA cmp_kv BF16            0 / 131072        29 (2.2e-4)
+//   inner bf16(y)              0 / 524288        27 (5.2e-5)
+//   inner Hadamard z BF16      0 / 524288        30 (5.7e-5)
+//   inner INT8 index row       0 / 524288         2 (3.8e-6)
+//   FP32 y differing from golden's FP32 y: 0 (CSA, HCA) and 1 / 524288 (inner); before 67–89 %.
+// Cost at B = 4 (T = 8), one thread, thread CPU time, Xeon Sapphire Rapids (bench_compressor, 35
+// alternating runs; docs/compressors.md "Rounding accuracy" has the table): steps that close no
+// window are unchanged (no pooling); steps closing a window on every request, min / median:
+// CSA −1.6 / −1.7 %, HCA −2.6 / −3.2 %, inner +0.7 / +2.1 % on the avx512 tier, and CSA −2.4 /
+// −0.6 %, HCA +2.7 / +3.6 %, inner −0.2 / +1.4 % on the avx2 tier (the 5 % budget holds). The
+// 8-candidate windows got faster (two passes, no online rescale); a 128-candidate HCA row costs
+// 47 µs on AVX2 and 43 µs on AVX-512 against 39–40 µs before (hot cache).
+// The a2a3 model keeps FP32 (backend/a2a3/compressor.hpp says why).
 
 // Program (below): project (the BF16 tile matmul of x_n with [wkv; wgate], + ape) -> per request,
 // in order: the state rows, then every committed boundary: the gated pool of its window (rules/

@@ -4,11 +4,14 @@
 // The projections read 2 × OUT_DIM × D BF16 weights per step and dominate. Tasks own 24 weight
 // rows; a 3-row × 4-token register tile (BF16 → FP32 by a shift, FMA into lane-wise accumulators)
 // makes one pass over K per token group, so the weights stream from DRAM once per step (software
-// prefetch ahead) and are re-read from L1/L2 by later token groups. Pooling is an online softmax
-// over chunks of 8 candidates, parallel over channel blocks. Work is split by shape only (weight
-// rows, channels), each output has one fixed reduction order, so results are bit-identical for
-// any thread count. The scalar twins below follow the AVX2 micro-kernels' order exactly (8 lanes,
-// ascending k, the AVX2 horizontal-sum tree; the candidate order), so the tiers are bit-identical.
+// prefetch ahead) and are re-read from L1/L2 by later token groups. Pooling runs in double
+// (kernels/compressor.hpp, "Pooling in double": the FP32 max, then e^(s - m), the weight sum and
+// the weighted kv sum in double in candidate order), parallel over channel blocks; the Hadamard of
+// the inner compressor sums in double too. Work is split by shape only (weight rows, channels),
+// each output has one fixed reduction order, so results are bit-identical for any thread count.
+// The scalar twins below follow the vector micro-kernels' operations exactly (the projections: 8
+// lanes, ascending k, the AVX2 horizontal-sum tree; the pooling: the same double operations per
+// channel; the candidate order), so every tier gives the same bits.
 
 #include <algorithm>
 #include <cmath>
@@ -18,6 +21,7 @@
 
 #include "tiledecode/backend/cpu/backend.hpp"
 #include "tiledecode/backend/cpu/compressor_avx2.hpp"
+#include "tiledecode/backend/cpu/compressor_avx512.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/quant.hpp"
 #include "tiledecode/kernels/compressor.hpp"
@@ -29,7 +33,8 @@ namespace detail {
 // ---------------------------------------------------------------------------------------------
 // Scalar twins of the AVX2 microkernels in backend/cpu/compressor_avx2.hpp: same task split,
 // same summation order (the two-level lane order of bf16_rows_avx2.hpp), same
-// candidate order; one row at a time (no register tile), std::exp instead of the polynomial exp.
+// candidate order and the same double exp (cpu::pool_exp_f64); one row at a time (no register
+// tile).
 
 // out[t*ld_out + r] = Σ_k x[t*ld_x + k] * w[r*ld_w + k] in the shared two-level order
 // (cpu::bf16_rows_dot_scalar, backend/cpu/bf16_rows_avx2.hpp).
@@ -39,34 +44,33 @@ inline void project_rows_scalar(float* out, index_t ld_out, const float* x, inde
   cpu::bf16_rows_dot_scalar<false>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d);
 }
 
-inline void pool_channels_scalar(float* pooled, const float* const* kv, const float* const* score,
-                                 int n_cand, index_t c0, index_t c1) {
+// avx2::compressor_pool_channels one channel at a time: the FP32 max, then in ascending j
+// p = pool_exp_f64(double(s) - double(m)), l += p, acc = fma(p, double(kv), acc); hi/lo = the FP32
+// pair of acc / l. The same operations as the vector tiers, so the same bits.
+inline void pool_channels_scalar(float* hi, float* lo, const float* const* kv,
+                                 const float* const* score, int n_cand, index_t c0, index_t c1) {
   for (index_t c = c0; c < c1; ++c) {
-    float m = kNegBig, l = 0.0f, acc = 0.0f;
-    for (int j0 = 0; j0 < n_cand; j0 += cpu::kCompressorPoolChunk) {
-      const int j1 = std::min(n_cand, j0 + cpu::kCompressorPoolChunk);
-      float m_new = m;
-      for (int j = j0; j < j1; ++j) m_new = std::max(m_new, score[j][c]);
-      const float alpha = std::exp(m - m_new);
-      l *= alpha;
-      acc *= alpha;
-      for (int j = j0; j < j1; ++j) {
-        const float p = std::exp(score[j][c] - m_new);
-        l += p;
-        acc += p * kv[j][c];
-      }
-      m = m_new;
+    float m = kNegBig;
+    for (int j = 0; j < n_cand; ++j) m = m > score[j][c] ? m : score[j][c];  // _mm256_max_ps(m, s)
+    double l = 0.0, acc = 0.0;
+    for (int j = 0; j < n_cand; ++j) {
+      const double p = cpu::pool_exp_f64(double(score[j][c]) - double(m));
+      l += p;
+      acc = std::fma(p, double(kv[j][c]), acc);
     }
-    pooled[c] = acc / l;  // l = 0 only if every score is -Inf: 0 / 0 = NaN (the policy)
+    const double q = acc / l;  // l = 0 only if every score is -Inf: 0 / 0 = NaN (the policy)
+    hi[c] = float(q);
+    lo[c] = float(q - double(hi[c]));
   }
 }
 
+// z = y @ h in double, rounded once (avx2::compressor_hadamard_row): BF16 × BF16 products are
+// exact in double, so the plain multiply-add is the vector FMA / multiply-add, bit for bit.
 inline void hadamard_row_scalar(float* z, const float* y, const bf16* h, index_t ld_h, index_t n) {
-  for (index_t j = 0; j < n; ++j) z[j] = 0.0f;
-  for (index_t i = 0; i < n; ++i) {
-    const float yi = y[i];
-    const bf16* hr = h + i * ld_h;
-    for (index_t j = 0; j < n; ++j) z[j] += yi * hr[j].to_float();
+  for (index_t j = 0; j < n; ++j) {
+    double acc = 0.0;
+    for (index_t i = 0; i < n; ++i) acc += double(y[i]) * double(h[i * ld_h + j].to_float());
+    z[j] = float(acc);
   }
 }
 
@@ -161,7 +165,8 @@ struct backend_ops_compressor {
   static void state_barrier(Lane&) {}
 
   // pooled[d] = Σ_j e^{g_j[d]} kv_j[d] / Σ_j e^{g_j[d]} over the candidates of row c
-  // (rules::compressor_candidates), state rows read through the table by absolute position.
+  // (rules::compressor_candidates), state rows read through the table by absolute position; in
+  // double, kept as the FP32 pair ws.pooled (hi) + ws.z (lo; z is free until the emit).
   static void pool(Lane& z, const kernels::CompressorArgs& a, index_t b, index_t c) {
     const ModelConfig& cfg = *a.cfg;
     const index_t HD = a.spec.head_dim, OUT = a.spec.out_dim();
@@ -182,30 +187,34 @@ struct backend_ops_compressor {
     z.be->tasks((HD + grain - 1) / grain, [&](std::int64_t i) {
       const index_t c0 = i * grain, c1 = std::min(HD, c0 + grain);
 #if TILEDECODE_X86
-      if constexpr (avx2) {
-        avx2::compressor_pool_channels(z.ws.pooled, kv, sc, n, c0, c1);
+      if constexpr (I == Isa::avx512) {
+        avx512::compressor_pool_channels(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1);
+        return;
+      } else if constexpr (avx2) {
+        avx2::compressor_pool_channels(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1);
         return;
       }
 #endif
-      kernels::detail::pool_channels_scalar(z.ws.pooled, kv, sc, n, c0, c1);
+      kernels::detail::pool_channels_scalar(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1);
     });
   }
-  // y = rmsnorm(pooled, norm_w) with forward RoPE on the last 64 dims at rope_pos, in double and
-  // rounded once to FP32: y is rounded to BF16 next (cmp_kv rows, the inner compressor's
-  // Hadamard input), where each extra FP32 rounding of the norm and the rotation would flip
-  // BF16 roundings (Σ pooled² of 512 values, two products and the rotation's two products and
-  // add cost nothing next to the pool).
+  // y = rmsnorm(pooled, norm_w) with forward RoPE on the last 64 dims at rope_pos, in double from
+  // the double pooled value (hi + lo) and rounded once to FP32: y is rounded to BF16 next (cmp_kv
+  // rows, the inner compressor's Hadamard input), where each extra FP32 rounding of the norm and
+  // the rotation would flip BF16 roundings (Σ pooled² of 512 values, two products and the
+  // rotation's two products and add cost nothing next to the pool).
   static void norm_rope(Lane& z, const kernels::CompressorArgs& a, index_t rope_pos) {
     const index_t HD = a.spec.head_dim;
+    const auto pooled = [&](index_t i) { return double(z.ws.pooled[i]) + double(z.ws.z[i]); };
     double ss = 0.0;
-    for (index_t i = 0; i < HD; ++i) ss += double(z.ws.pooled[i]) * double(z.ws.pooled[i]);
+    for (index_t i = 0; i < HD; ++i) ss += pooled(i) * pooled(i);
     const double r = 1.0 / std::sqrt(ss / double(HD) + double(a.cfg->rms_eps));
     const index_t nope = HD - kRopeDim;
     for (index_t i = 0; i < nope; ++i)
-      z.ws.y[i] = float(double(z.ws.pooled[i]) * r * double(a.w.norm_w(i).to_float()));
+      z.ws.y[i] = float(pooled(i) * r * double(a.w.norm_w(i).to_float()));
     double y[kRopeDim];
     for (index_t i = 0; i < kRopeDim; ++i)
-      y[i] = double(z.ws.pooled[nope + i]) * r * double(a.w.norm_w(nope + i).to_float());
+      y[i] = pooled(nope + i) * r * double(a.w.norm_w(nope + i).to_float());
     rope_forward_f64(y, a.rope.cos_row(rope_pos), a.rope.sin_row(rope_pos), kRopeDim);
     for (index_t i = 0; i < kRopeDim; ++i) z.ws.y[nope + i] = float(y[i]);
   }

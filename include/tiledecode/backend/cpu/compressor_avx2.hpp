@@ -4,13 +4,17 @@
 // loop structure; both are tested against golden/compressor.hpp.
 //
 //   compressor_project_rows   out[t, r] = Σ_k x[t, k] * w[r, k]   (BF16 weights, FP32 x/acc)
-//   compressor_pool_channels  per-channel softmax-gated pooling over a window of state rows
-//   compressor_hadamard_row   z = y @ H for one 128-wide indexer row
+//   compressor_pool_channels  per-channel softmax-gated pooling over a window of state rows, in
+//                             double (4 lanes; the avx512 tier's 8-lane twin is
+//                             compressor_avx512.hpp)
+//   compressor_hadamard_row   z = y @ H for one 128-wide indexer row, in double
 //
 // The three work on raw pointers with explicit leading dimensions: the caller validated every
 // extent and stride, the kernels never check, allocate or throw.
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstdint>
 
 #include "tiledecode/backend/cpu/bf16_rows_avx2.hpp"
@@ -28,41 +32,71 @@ namespace tiledecode::cpu {
 // chain plus a fixed-order horizontal sum, whatever the tile, so results depend on the shape only.
 inline constexpr int kCompressorRowBlock = 24;
 inline constexpr int kCompressorTokenGroup = kBf16TileTokens;
-// Candidates per online-softmax chunk in the pooling (one max, one rescale per chunk).
-inline constexpr int kCompressorPoolChunk = 8;
+// The pooling's e^x, x = s - m <= 0 in double (kernels/compressor.hpp "Pooling in double"): one
+// definition of the operations, evaluated lane for lane by the scalar twin (pool_exp_f64), the AVX2
+// (4 lanes) and the AVX-512 (8 lanes) kernels, so every tier gives the same bits:
+//   x < kPoolExpLo (-708, e^-708 = 3.3e-308) -> 0 (a masked candidate; its weight next to the
+//     maximum's e^0 = 1 is below 1e-307, under half a double ulp of the sum; no denormals);
+//   t = fma(x, log2(e), 1.5 * 2^52 + 1023): t's low 12 bits are n + 1023 with n = round(x log2 e)
+//     (nearest even, -1022 <= n <= 0), so t << 52 is 2^n; n = t - (1.5 * 2^52 + 1023) exactly;
+//   r = fma(-n, ln2, x), |r| <= ln2/2 + 1e-16: one rounding, and ln2's own error (< 2.4e-17 · |n|)
+//     is at most 2.4e-14 relative in e^r, 1e-15 for the |n| <= 40 a softmax meets;
+//   e^r = Taylor of degree 10 by Horner in fma: truncation <= 0.3466^11 / 11! = 2.2e-13 relative,
+//     plus ~1e-16 per step.
+// Degree 9 (6.9e-12) was measured too: ~5 % faster HCA pooling on AVX2, but 11 of 524288 CSA
+// values (2.1e-5) then missed the correctly rounded FP32 y against 0 of 524288 at degree 10
+// (tests/test_rounding.cpp, no BF16 flip either way), so degree 10 stays.
+// NaN in, NaN out (the clamp keeps a NaN operand, the underflow compare is false for it). The
+// clamp and the mask change only lanes with x < kPoolExpLo, so a kernel that knows no lane is
+// below it may leave them out (kClamp = false) and still give the same bits.
+inline constexpr double kPoolExpLo = -708.0;
+inline constexpr double kPoolExpMagic = 6755399441055744.0 + 1023.0;  // 1.5 * 2^52 + bias
+inline constexpr double kPoolLog2e = 1.4426950408889634;
+inline constexpr double kPoolLn2 = 0.6931471805599453;
+inline constexpr int kPoolExpDegree = 10;
+inline constexpr double kPoolExpC[kPoolExpDegree + 1] = {
+    1.0,         1.0,          1.0 / 2.0,     1.0 / 6.0,      1.0 / 24.0,     1.0 / 120.0,
+    1.0 / 720.0, 1.0 / 5040.0, 1.0 / 40320.0, 1.0 / 362880.0, 1.0 / 3628800.0};
+
+// The scalar twin of avx2::exp_pd / avx512::exp_pd (same operations, std::fma is the vector FMA).
+inline double pool_exp_f64(double x) {
+  const bool under = x < kPoolExpLo;
+  x = kPoolExpLo > x ? kPoolExpLo : x;  // _mm256_max_pd(lo, x): keeps a NaN x
+  const double t = std::fma(x, kPoolLog2e, kPoolExpMagic);
+  const double n = t - kPoolExpMagic;
+  const double r = std::fma(-n, kPoolLn2, x);
+  double p = kPoolExpC[kPoolExpDegree];
+  for (int k = kPoolExpDegree - 1; k >= 0; --k) p = std::fma(p, r, kPoolExpC[k]);
+  const double y = p * std::bit_cast<double>(std::bit_cast<std::uint64_t>(t) << 52);
+  return under ? 0.0 : y;
+}
 
 }  // namespace tiledecode::cpu
 
 #if TILEDECODE_X86
 namespace tiledecode::cpu::avx2 {
 
-// e^x for 8 floats, ~2 ulp over the range the pooling uses (x <= 0). Cody–Waite reduction
-// x = n·ln2 + r with |r| <= ln2/2, a degree-6 polynomial for e^r, 2^n assembled in the exponent
-// field. Inputs below ln(FLT_MIN) return 0 (the softmax weight of a masked candidate; no
-// denormals), inputs above 88 saturate at e^88. NaN in, NaN out, like std::exp: min/max_ps return
-// their second operand when either is NaN, so the clamps keep x, and the exponent field built from
-// cvtps(NaN) = INT_MIN is a finite scale (see sparse_attention_avx2.hpp's exp_nonpositive).
-TILEDECODE_TARGET_AVX2 inline __m256 exp_ps(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.33654475f);
-  const __m256 hi = _mm256_set1_ps(88.0f);
-  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 r2 = _mm256_mul_ps(r, r);
-  p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  return _mm256_andnot_ps(underflow, y);
+// pool_exp_f64 on 4 doubles (the same operations in the same order); kClamp = false leaves out
+// the clamp and the underflow mask, for lanes known to be >= kPoolExpLo (or NaN).
+template <bool kClamp>
+TILEDECODE_TARGET_AVX2 inline __m256d exp_pd(__m256d x) {
+  const __m256d lo = _mm256_set1_pd(kPoolExpLo);
+  const __m256d magic = _mm256_set1_pd(kPoolExpMagic);
+  __m256d under = _mm256_setzero_pd();
+  if constexpr (kClamp) {
+    under = _mm256_cmp_pd(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_pd(lo, x);
+  }
+  const __m256d t = _mm256_fmadd_pd(x, _mm256_set1_pd(kPoolLog2e), magic);
+  const __m256d n = _mm256_sub_pd(t, magic);
+  const __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(kPoolLn2), x);
+  __m256d p = _mm256_set1_pd(kPoolExpC[kPoolExpDegree]);
+  for (int k = kPoolExpDegree - 1; k >= 0; --k)  // unrolled: constant trip count
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(kPoolExpC[k]));
+  const __m256d y =
+      _mm256_mul_pd(p, _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(t), 52)));
+  if constexpr (kClamp) return _mm256_andnot_pd(under, y);
+  return y;
 }
 
 // out[t*ld_out + r] = Σ_{k<d} x[t*ld_x + k] * w[r*ld_w + k] for t < n_tok, r < n_rows (d % 8 == 0).
@@ -75,49 +109,85 @@ TILEDECODE_TARGET_AVX2 inline void compressor_project_rows(float* out, index_t l
   bf16_rows_dot<false>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d, n_rows_pf);
 }
 
-// pooled[c] = Σ_j e^{s_j[c] - m} kv_j[c] / Σ_j e^{s_j[c] - m} for c in [c0, c1) ((c1-c0) % 8 == 0),
-// candidate j read at kv[j][c] and score[j][c]. Online softmax over chunks of
-// kCompressorPoolChunk candidates: one running max per channel seeded with kNegBig (a chunk of
-// -Inf scores then rescales by e^0 = 1 instead of e^(-Inf + Inf) = NaN), one rescale per chunk.
-// Non-finite inputs (docs/security.md, "Numerics policy", the scalar twin's rule): a NaN score or
-// kv, or a +Inf score (e^(Inf - Inf)), makes the channel NaN (a NaN score may drop out of the max,
-// its own e^ is NaN); a -Inf score has weight 0; a channel whose every score is -Inf pools to
-// 0 / 0 = NaN, as golden. Masked candidates score kNegBig (weight e^(kNegBig - m)), never -Inf.
-TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(float* pooled, const float* const* kv,
-                                                            const float* const* score, int n_cand,
-                                                            index_t c0, index_t c1) {
-  for (index_t c = c0; c < c1; c += 8) {
-    __m256 m = _mm256_set1_ps(kNegBig);
-    __m256 l = _mm256_setzero_ps();
-    __m256 acc = _mm256_setzero_ps();
-    for (int j0 = 0; j0 < n_cand; j0 += kCompressorPoolChunk) {
-      const int jn = std::min(kCompressorPoolChunk, n_cand - j0);
-      __m256 m_new = m;
-      for (int j = j0; j < j0 + jn; ++j)
-        m_new = _mm256_max_ps(m_new, _mm256_loadu_ps(score[j] + c));
-      const __m256 alpha = exp_ps(_mm256_sub_ps(m, m_new));
-      l = _mm256_mul_ps(l, alpha);
-      acc = _mm256_mul_ps(acc, alpha);
-      for (int j = j0; j < j0 + jn; ++j) {
-        const __m256 p = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(score[j] + c), m_new));
-        l = _mm256_add_ps(l, p);
-        acc = _mm256_fmadd_ps(p, _mm256_loadu_ps(kv[j] + c), acc);
-      }
-      m = m_new;
-    }
-    _mm256_storeu_ps(pooled + c, _mm256_div_ps(acc, l));
+// The sums of compressor_pool_channels for channels c .. c+7, candidates in ascending order.
+template <bool kClamp>
+TILEDECODE_TARGET_AVX2 inline void pool_sums(__m256d& l0, __m256d& l1, __m256d& a0, __m256d& a1,
+                                             const float* const* kv, const float* const* score,
+                                             int n_cand, index_t c, __m256d m0, __m256d m1) {
+  for (int j = 0; j < n_cand; ++j) {
+    // 4-float loads widened straight to double (no 128-bit extract: 7 % faster on SPR).
+    const __m256d p0 =
+        exp_pd<kClamp>(_mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(score[j] + c)), m0));
+    const __m256d p1 =
+        exp_pd<kClamp>(_mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(score[j] + c + 4)), m1));
+    l0 = _mm256_add_pd(l0, p0);
+    l1 = _mm256_add_pd(l1, p1);
+    a0 = _mm256_fmadd_pd(p0, _mm256_cvtps_pd(_mm_loadu_ps(kv[j] + c)), a0);
+    a1 = _mm256_fmadd_pd(p1, _mm256_cvtps_pd(_mm_loadu_ps(kv[j] + c + 4)), a1);
   }
 }
 
-// z[j] = Σ_i y[i] * h[i*ld_h + j] for j < n (n % 8 == 0), i ascending (row-vector times matrix).
+// pooled[c] = Σ_j e^{s_j[c] - m} kv_j[c] / Σ_j e^{s_j[c] - m} for c in [c0, c1) ((c1-c0) % 8 == 0),
+// candidate j read at kv[j][c] and score[j][c], in double (kernels/compressor.hpp, "Pooling in
+// double"): m = the FP32 max over the candidates (_mm256_max_ps(m, s), seeded with kNegBig), then
+// in ascending j: p = exp_pd(double(s) - double(m)) (the difference is exact), l += p,
+// acc = fma(p, double(kv), acc); pooled = acc / l, stored as the FP32 pair hi = float(pooled),
+// lo = float(pooled - hi) (48 significant bits, 2^-48 relative, for the double norm that follows).
+// Non-finite inputs (docs/security.md, "Numerics policy"): a NaN score or kv, or a +Inf score
+// (e^(Inf - Inf)), makes the channel NaN (a NaN score may drop out of the max, its own e^ is NaN);
+// a -Inf score has weight 0; a channel whose every score is -Inf pools to 0 / 0 = NaN, as golden.
+// Masked candidates score kNegBig (weight e^(kNegBig - m) = 0 unless every score is kNegBig).
+TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(float* hi, float* lo,
+                                                            const float* const* kv,
+                                                            const float* const* score, int n_cand,
+                                                            index_t c0, index_t c1) {
+  for (index_t c = c0; c < c1; c += 8) {
+    __m256 m8 = _mm256_set1_ps(kNegBig), n8 = _mm256_set1_ps(INFINITY);
+    for (int j = 0; j < n_cand; ++j) {
+      const __m256 s = _mm256_loadu_ps(score[j] + c);
+      m8 = _mm256_max_ps(m8, s);
+      n8 = _mm256_min_ps(n8, s);
+    }
+    const __m256d m0 = _mm256_cvtps_pd(_mm256_castps256_ps128(m8));
+    const __m256d m1 = _mm256_cvtps_pd(_mm256_extractf128_ps(m8, 1));
+    // Every x = s - m of these 8 channels >= kPoolExpLo: exp_pd<false>, the same bits with 3 of
+    // ~24 operations fewer (a NaN lane gives the same NaN either way). A masked (kNegBig) or -Inf
+    // candidate sends the 8 channels to exp_pd<true>.
+    const __m256d x_lo = _mm256_set1_pd(kPoolExpLo);
+    const __m256d d0 = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(n8)), m0);
+    const __m256d d1 = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(n8, 1)), m1);
+    const bool in_range = (_mm256_movemask_pd(_mm256_cmp_pd(d0, x_lo, _CMP_GE_OQ)) &
+                           _mm256_movemask_pd(_mm256_cmp_pd(d1, x_lo, _CMP_GE_OQ))) == 0xf;
+    __m256d l0 = _mm256_setzero_pd(), l1 = _mm256_setzero_pd();
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    if (in_range)
+      pool_sums<false>(l0, l1, a0, a1, kv, score, n_cand, c, m0, m1);
+    else
+      pool_sums<true>(l0, l1, a0, a1, kv, score, n_cand, c, m0, m1);
+    const __m256d q0 = _mm256_div_pd(a0, l0), q1 = _mm256_div_pd(a1, l1);
+    const __m128 h0 = _mm256_cvtpd_ps(q0), h1 = _mm256_cvtpd_ps(q1);
+    _mm_storeu_ps(hi + c, h0);
+    _mm_storeu_ps(hi + c + 4, h1);
+    _mm_storeu_ps(lo + c, _mm256_cvtpd_ps(_mm256_sub_pd(q0, _mm256_cvtps_pd(h0))));
+    _mm_storeu_ps(lo + c + 4, _mm256_cvtpd_ps(_mm256_sub_pd(q1, _mm256_cvtps_pd(h1))));
+  }
+}
+
+// z[j] = Σ_i y[i] * h[i*ld_h + j] for j < n (n % 8 == 0), i ascending (row-vector times matrix),
+// in double, rounded once to FP32: y is BF16-valued (the emit rounds it first) and h is BF16, so
+// each product is exact in double and every tier's sum is the same (kernels/compressor.hpp).
 TILEDECODE_TARGET_AVX2 inline void compressor_hadamard_row(float* z, const float* y, const bf16* h,
                                                            index_t ld_h, index_t n) {
   for (index_t j = 0; j < n; j += 8) {
-    __m256 acc = _mm256_setzero_ps();
+    __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
     for (index_t i = 0; i < n; ++i) {
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(y[i]), load_bf16x8(h + i * ld_h + j), acc);
+      const __m256d yi = _mm256_set1_pd(double(y[i]));
+      const __m256 h8 = load_bf16x8(h + i * ld_h + j);
+      acc0 = _mm256_add_pd(acc0, _mm256_mul_pd(yi, _mm256_cvtps_pd(_mm256_castps256_ps128(h8))));
+      acc1 = _mm256_add_pd(acc1, _mm256_mul_pd(yi, _mm256_cvtps_pd(_mm256_extractf128_ps(h8, 1))));
     }
-    _mm256_storeu_ps(z + j, acc);
+    _mm_storeu_ps(z + j, _mm256_cvtpd_ps(acc0));
+    _mm_storeu_ps(z + j + 4, _mm256_cvtpd_ps(acc1));
   }
 }
 
