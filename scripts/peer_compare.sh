@@ -3,6 +3,7 @@
 # docs/performance.md and docs/img/*.png.
 #
 #   scripts/peer_compare.sh [--quick] [other peer_compare arguments...]
+#   scripts/peer_compare.sh --isa avx2,avx512   # every listed TileDecode tier, same peer samples
 #   scripts/peer_compare.sh --long-context   # the 1k -> 1M context sweep: writes
 #                                            # docs/performance_long_context.md and
 #                                            # docs/img/time_vs_context_1m.png instead
@@ -14,6 +15,16 @@
 # (default build-peer: tests and examples off, so it never touches the main build) and runs
 # it, then bench/report. The binary prints which library sgemm_ resolved to at run time; the
 # report quotes it.
+#
+# The peer runs OpenBLAS's fastest kernels for this CPU: OpenBLAS (DYNAMIC_ARCH) picks a "core"
+# once at load time, and its pick is not always the fastest (0.3.21 ran Haswell/AVX2 kernels on
+# an AVX-512 Zen 5). peer_compare itself measures the detected core and every core of this
+# OpenBLAS the CPU can run (OPENBLAS_CORETYPE = Haswell, Zen, SkylakeX, Cooperlake,
+# SapphireRapids as the ISA allows; a short 1-thread sgemm probe per core, each in a child
+# process, ~2 s each) and re-executes itself with the fastest exported; the log, the JSON
+# (peer.blas_core, peer.blas_cores_measured) and the report name it and list every core with
+# its GFLOP/s. OPENBLAS_CORETYPE set in the environment, or --blas-core NAME|detected, skips the
+# probe.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 PEER_BUILD_DIR="${PEER_BUILD_DIR:-$ROOT/build-peer}"

@@ -328,6 +328,31 @@ std::string peer_blas_info() {
   return s;
 }
 
+std::string peer_blas_corename() {
+  using StrFn = char* (*)();
+  auto core = reinterpret_cast<StrFn>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  return core ? std::string(core()) : std::string();
+}
+
+PeerKernel make_peer_sgemm(int64_t batch, int64_t m, int64_t n, int64_t k) {
+  // Uniform inputs (the BLAS's speed does not depend on the values; no denormals).
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  auto a = std::make_shared<AT>(at::rand({batch, m, k}, opts) - 0.5);
+  auto b = std::make_shared<AT>(at::rand({batch, n, k}, opts) - 0.5);
+  auto c = std::make_shared<AT>();
+  if (batch == 1) {
+    *a = a->view({m, k});
+    *b = b->view({n, k});
+  }
+  // Transposed views of row-major [.., n, k] operands, as the peer's keys and weights.
+  return {
+      [a, b, c, batch] { *c = batch == 1 ? at::mm(*a, b->t()) : at::bmm(*a, b->transpose(1, 2)); },
+      [c] {
+        const AT f = c->reshape(-1);
+        return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+      }};
+}
+
 PeerKernel make_peer_indexer(const Weights& w, Case& cs) {
   const auto& cfg = w.cfg;
   const int64_t T = cs.tokens(), B = cs.batch, S = cs.seq, IH = cfg.idx_n_heads,

@@ -9,6 +9,7 @@
 // engine would do once at load time (e.g. FP32 copies of weights), and returns a callable
 // running one decode step of that kernel, and an accessor for its primary output as floats.
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -36,6 +37,14 @@ void peer_wake_threads(int aten_threads, int blas_threads);
 // "OpenBLAS 0.3.21 ... core Haswell; sgemm_ resolved from /path" and the ATen parallel info.
 std::string peer_blas_info();
 std::string peer_version();
+// openblas_get_corename(): the kernel set OpenBLAS picked at load time (DYNAMIC_ARCH; forced by
+// OPENBLAS_CORETYPE), e.g. "Haswell", "SkylakeX", "Cooperlake"; "" when the BLAS is not OpenBLAS.
+std::string peer_blas_corename();
+// One FP32 product on the BLAS as the peer calls it: at::mm(a, bᵀ) with a [m, k], b [n, k]
+// (batch 1: the projections, x @ Wᵀ), or at::bmm(a, bᵀ) of [batch, m, k] and [batch, n, k]
+// (attention Q·Kᵀ, the indexer). The short probe that picks OpenBLAS's core (peer_compare
+// --blas-probe) times it.
+PeerKernel make_peer_sgemm(int64_t batch, int64_t m, int64_t n, int64_t k);
 
 // Indexer score + top-k (spec §7.2–7.3): score [T, score_len], topk [T, idx_topk] (output:
 // the score's visible region, masked tail excluded).

@@ -177,12 +177,17 @@ inline Weights make_weights(const ModelConfig& cfg, std::uint64_t seed = 1) {
   return w;
 }
 
-// Builds one (batch, context) point; `context` in [S + 4, max_seq_len].
-inline Case make_case(const ModelConfig& cfg, int batch, int context, std::uint64_t seed = 7) {
+// Builds one (batch, seq, context) point: B requests of S tokens (2: MTP; 8: the reference's
+// speculative serving tree); `context` in [S + 4, max_seq_len].
+inline Case make_case(const ModelConfig& cfg, int batch, int context, int seq = 2,
+                      std::uint64_t seed = 7) {
   namespace pg = tiledecode::paged;
-  tdtest::Rng r(seed + std::uint64_t(batch) * 131 + std::uint64_t(context));
+  // S = 2 keeps the seeds (and inputs) of the points measured before S was a parameter.
+  tdtest::Rng r(seed + std::uint64_t(batch) * 131 + std::uint64_t(context) +
+                (seq == 2 ? 0 : std::uint64_t(seq) * 1000003));
   Case cs;
   cs.batch = batch;
+  cs.seq = seq;
   cs.context = context;
   const int T = cs.tokens();
   const pg::StepShape sh{batch, cs.seq, -1};

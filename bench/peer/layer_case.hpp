@@ -35,8 +35,10 @@ struct LayerModel {
   }
 };
 
-// One (batch, context) point: pools, tables, metadata, input stack and output buffers.
-// Not movable (the metadata keeps views of the tables).
+// One (batch, seq, context) point: pools, tables, metadata, input stack and output buffers.
+// S tokens per request, the first committed (MTP metadata, commit_tokens = 1, as in the full
+// decode forward, for S = 2 and for the S = 8 speculative tree alike). Not movable (the metadata
+// keeps views of the tables).
 struct LayerCase {
   int batch = 4, seq = 2, context = 8192;
   std::vector<std::int32_t> starts;
@@ -46,11 +48,12 @@ struct LayerCase {
   tiledecode::decode::LayerCacheStorage caches;
   tiledecode::Tensor<float, 3> x_hc;
 
-  LayerCase(const LayerModel& m, int b, int ctx_len, int max_threads)
+  LayerCase(const LayerModel& m, int b, int ctx_len, int max_threads, int s = 2)
       : batch(b),
+        seq(s),
         context(ctx_len),
-        starts(make_starts(b, ctx_len)),
-        shape{b, 2, 1},
+        starts(make_starts(b, ctx_len, s)),
+        shape{b, s, 1},
         fx(b, m.cfg),
         md(starts, shape, fx.tables(), fx.pools, m.cfg) {
     tiledecode::ThreadPool pool(std::size_t(std::max(1, max_threads)));
@@ -60,10 +63,10 @@ struct LayerCase {
     x_hc = tiledecode::Tensor<float, 3>({shape.tokens(), 4, m.cfg.hidden});
     tiledecode::decode::synthetic::fill_x_hc(ctx, x_hc.view(), /*seed=*/2026, /*step=*/0);
   }
-  // Request b starts at context - 2 - (b % 4), as in fixtures.hpp.
-  static std::vector<std::int32_t> make_starts(int b, int ctx_len) {
+  // Request b starts at context - S - (b % 4), as in fixtures.hpp.
+  static std::vector<std::int32_t> make_starts(int b, int ctx_len, int seq) {
     std::vector<std::int32_t> s;
-    for (int i = 0; i < b; ++i) s.push_back(ctx_len - 2 - (i % 4));
+    for (int i = 0; i < b; ++i) s.push_back(ctx_len - seq - (i % 4));
     return s;
   }
   LayerCase(const LayerCase&) = delete;
