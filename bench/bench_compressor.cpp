@@ -11,11 +11,13 @@
 //   bytes_per_second  weights + x_n + state rows written
 //   weight_Bps        projection weight bytes per second
 //   FLOP/s            2 × 2·OUT_DIM × D × T per step
-//   pct_of_ceiling    weight_Bps ÷ single-core streaming read bandwidth (tdbench::read_gbps(1),
-//                     measured in this process) × 100
+//   pct_of_ceiling    the roofline: max(pct_of_read_bw, pct_of_fma), the bound that applies
+//   pct_of_read_bw    weight_Bps ÷ single-core streaming read bandwidth (tdbench::read_gbps(1),
+//                     measured in this process) × 100 (the bound at decode batch sizes)
 //   pct_of_fma        FLOP/s ÷ (threads × single-core BF16 multiply-add ceiling) × 100 (the
 //                     FP32 FMA loop, or vdpbf16ps where the CPU has it and it is faster)
 //   pct_of_ceiling_cpu  (1 thread) pct_of_ceiling over the thread's CPU time instead of wall time
+//                       (and read bandwidth × threads: the per-core figure)
 //   cpu_us_per_step     (1 thread) the thread's CPU time per step, µs
 // Shared machines: run with --benchmark_repetitions=N; the `median` and `max` aggregates of the
 // rate counters bracket the typical and the least disturbed run.
@@ -200,12 +202,17 @@ void run(benchmark::State& st, Kind kind, bool boundary, bool force_avx2 = false
   st.SetBytesProcessed(std::int64_t(bytes * it));
   st.counters["weight_Bps"] = C(wbytes * it, C::kIsRate);
   st.counters["FLOP/s"] = C(flops * it, C::kIsRate);
-  st.counters["pct_of_ceiling"] = C(wbytes * it / read_bw * 100, C::kIsRate);
-  if (fma > 0) st.counters["pct_of_fma"] = C(flops * it / (fma * threads) * 100, C::kIsRate);
+  // Per call: the roofline time of each bound over the measured time (the rate counters are
+  // value · iterations ÷ elapsed seconds).
+  const double bw_pct = wbytes / read_bw * 100,
+               fma_pct = fma > 0 ? flops / (fma * threads) * 100 : 0;
+  st.counters["pct_of_read_bw"] = C(bw_pct * it, C::kIsRate);
+  if (fma > 0) st.counters["pct_of_fma"] = C(fma_pct * it, C::kIsRate);
+  st.counters["pct_of_ceiling"] = C(std::max(bw_pct, fma_pct) * it, C::kIsRate);
   if (threads == 1 && cpu_s > 0) {
     // The same ratio over the thread's CPU time: what it reaches while it actually runs, when
     // other processes time-slice the core (shared machines).
-    st.counters["pct_of_ceiling_cpu"] = wbytes * it / cpu_s / read_bw * 100;
+    st.counters["pct_of_ceiling_cpu"] = std::max(bw_pct, fma_pct) * it / cpu_s;
     // The thread's CPU time per step (µs): an A/B on a shared machine compares these, which
     // time-slicing by other processes does not inflate (wall time does).
     st.counters["cpu_us_per_step"] = cpu_s / it * 1e6;

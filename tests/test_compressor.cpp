@@ -17,6 +17,7 @@
 
 #include "common/compare.hpp"
 #include "common/random.hpp"
+#include "tiledecode/backend/cpu/bf16_rows_avx512.hpp"
 #include "tiledecode/backend/cpu/compressor.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/core/hadamard.hpp"
@@ -537,6 +538,56 @@ TEST(CompressorTiers, BitIdenticalAcrossTiers) {
       expect_identical(ref, run_kernel(f, isa, 2), std::string(td::cpu::to_string(isa)));
   }
 }
+
+// More than 8 tokens: the avx512 tier's projections then run avx512::bf16_rows_dot_fma (the same
+// bits on 512-bit FMA, backend/cpu/bf16_rows_avx512.hpp) instead of the avx2 kernel.
+TEST(CompressorTiers, BitIdenticalAcrossTiersAtLargerBatch) {
+  for (Kind k : {Kind::csa, Kind::hca, Kind::inner}) {
+    SCOPED_TRACE(int(k));
+    const Fixture f = make_fixture(
+        {.kind = k, .starts = {8702, 3, 2, 8190, 126, 127, 4094}, .seq = 3, .seed = 32});
+    ASSERT_GT(f.emitted(), 0);
+    const Outputs ref = run_kernel(f, td::cpu::Isa::scalar, 2);
+    for (td::cpu::Isa isa : td::cpu::supported_isas())
+      expect_identical(ref, run_kernel(f, isa, 2), std::string(td::cpu::to_string(isa)));
+  }
+}
+
+#if TILEDECODE_X86
+// The kernel alone against avx2::bf16_rows_dot: every output bit, for token counts around its
+// 6-token tiles and 96-token chunks, row counts around its 8-row blocks, reductions with a partial
+// last block of 1024 and shorter than one block, both = and +=.
+TEST(CompressorTiers, Avx512FmaRowsBitIdenticalToAvx2) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx512))
+    GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  tdtest::Rng rng(91);
+  for (index_t d : {4096, 1032, 8})
+    for (index_t rows : {24, 7, 1})
+      for (index_t T : {9, 13, 96, 97, 200}) {
+        std::vector<float> x(std::size_t(T * d));
+        std::vector<bf16> w(std::size_t((rows + 8) * d));  // 8 more rows: the prefetched ones
+        for (auto& v : x) v = bf16(rng.normal()).to_float();
+        for (auto& v : w) v = bf16(rng.normal() * 0.125f);
+        const index_t ld = rows + 3;
+        std::vector<float> a(std::size_t(T * ld)), b;
+        for (auto& v : a) v = rng.normal();
+        b = a;
+        std::vector<float> c = a, e = a;
+        td::cpu::avx2::bf16_rows_dot<false>(a.data(), ld, x.data(), d, T, w.data(), d, rows, d,
+                                            rows + 8);
+        td::cpu::avx512::bf16_rows_dot_fma<false>(b.data(), ld, x.data(), d, T, w.data(), d, rows,
+                                                  d, rows + 8);
+        td::cpu::avx2::bf16_rows_dot<true>(c.data(), ld, x.data(), d, T, w.data(), d, rows, d,
+                                           rows);
+        td::cpu::avx512::bf16_rows_dot_fma<true>(e.data(), ld, x.data(), d, T, w.data(), d, rows, d,
+                                                 rows);
+        const std::string at =
+            "d=" + std::to_string(d) + " rows=" + std::to_string(rows) + " T=" + std::to_string(T);
+        EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4)) << at;
+        EXPECT_EQ(0, std::memcmp(c.data(), e.data(), c.size() * 4)) << at << " (+=)";
+      }
+}
+#endif
 
 // --- Validation: every bad argument throws before anything is written --------------------------
 

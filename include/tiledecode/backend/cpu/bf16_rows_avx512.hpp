@@ -115,6 +115,119 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot(float* out, index_t ld_out, c
           });
 }
 
+// ---------------------------------------------------------------------------------------------
+// bf16_rows_dot_fma: avx2::bf16_rows_dot's contract (FP32 x) and its bits, on 512-bit FMA, for
+// many tokens. A register holds two rows' 8-lane partials for one token (lanes 0-7: row 2p,
+// 8-15: row 2p + 1), so every lane does exactly what the avx2 kernel's lane does (FP32 FMAs of
+// x[k]·w[k], k ≡ l mod 8, ascending, from +0 over each block of kBf16DotBlock; then into a
+// double lane; the eight double lanes summed in ascending l at the end). Loop nest: per chunk of
+// up to kFmaChunkTokens tokens (their x rows are read from memory once per call), per block of 8
+// rows (the chunk's double lanes: 96 × 8 × 8 × 8 B = 48 KB of stack), per k-block of
+// kBf16DotBlock: the block's 8 row segments widened once into an FP32
+// panel of row pairs (16 floats per 8 k: 32 KB, L1), then register tiles of 4 row pairs ×
+// kFmaTileTokens tokens run it (24 accumulators; x broadcast 8 floats at a time into both halves
+// by vbroadcastf64x4 from memory, no shuffle; per 8 k: 4 panel loads, 6 x loads, 24 FMAs). Each
+// weight row is read once per token chunk and widened once per chunk; the avx2 kernel widens each
+// weight vector once per 4 tokens, which at large batch bounds it by the widening.
+namespace bf16_rows_fma_detail {
+
+inline constexpr int kFmaPairs = 4;         // row pairs per panel and register tile (8 rows)
+inline constexpr int kFmaTileTokens = 6;    // tokens per register tile (24 accumulators)
+inline constexpr int kFmaChunkTokens = 96;  // tokens per chunk of double lanes
+inline constexpr index_t kFmaSteps = kBf16DotBlock / 8;  // 8-k steps per block
+
+// panel[(p·kFmaSteps + j)·16 + 8h + l] = float(w[(2p + h)·ld_w + k0 + 8j + l]) for j < steps,
+// rows 2p + h < nr; 0 for the other rows.
+TILEDECODE_TARGET_AVX512 inline void widen_pairs(float* panel, const bf16* w, index_t ld_w, int nr,
+                                                 index_t k0, index_t steps) {
+  for (int p = 0; p < kFmaPairs; ++p)
+    for (int h = 0; h < 2; ++h) {
+      const int r = 2 * p + h;
+      float* dst = panel + p * kFmaSteps * 16 + 8 * h;
+      if (r >= nr) {
+        for (index_t j = 0; j < steps; ++j) _mm256_store_ps(dst + j * 16, _mm256_setzero_ps());
+        continue;
+      }
+      const bf16* src = w + r * ld_w + k0;
+      for (index_t j = 0; j < steps; ++j)
+        _mm256_store_ps(dst + j * 16, avx2::load_bf16x8(src + 8 * j));
+    }
+}
+
+// One k-block (steps 8-k steps from x + 0) of the 8-row × NT register tile: FP32 lane partials
+// from +0, then added to the double lanes lanes[t][p][0..16) (lanes 8h + l: row 2p + h, lane l).
+template <int NT>
+TILEDECODE_TARGET_AVX512 inline void fma_block(double (*lanes)[kFmaPairs][16], const float* panel,
+                                               const float* x, index_t ld_x, index_t steps) {
+  __m512 c[kFmaPairs][NT];
+  for (int p = 0; p < kFmaPairs; ++p)
+    for (int t = 0; t < NT; ++t) c[p][t] = _mm512_setzero_ps();
+  for (index_t j = 0; j < steps; ++j) {
+    __m512 v[kFmaPairs];
+    for (int p = 0; p < kFmaPairs; ++p) v[p] = _mm512_load_ps(panel + (p * kFmaSteps + j) * 16);
+    for (int t = 0; t < NT; ++t) {
+      const __m512 xv = _mm512_castpd_ps(
+          _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x + t * ld_x + 8 * j))));
+      for (int p = 0; p < kFmaPairs; ++p) c[p][t] = _mm512_fmadd_ps(v[p], xv, c[p][t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int p = 0; p < kFmaPairs; ++p) {
+      double* d0 = lanes[t][p];
+      const __m256 lo = _mm512_castps512_ps256(c[p][t]);
+      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c[p][t]), 1));
+      _mm512_store_pd(d0, _mm512_add_pd(_mm512_load_pd(d0), _mm512_cvtps_pd(lo)));
+      _mm512_store_pd(d0 + 8, _mm512_add_pd(_mm512_load_pd(d0 + 8), _mm512_cvtps_pd(hi)));
+    }
+}
+
+}  // namespace bf16_rows_fma_detail
+
+// avx2::bf16_rows_dot<kAccumulate>'s contract and bits (d % 8 == 0; rows [n_rows, n_rows_pf)
+// of w exist: the first row block of them is prefetched into L2 during the last chunk).
+template <bool kAccumulate>
+TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_fma(float* out, index_t ld_out, const float* x,
+                                                       index_t ld_x, index_t n_tok, const bf16* w,
+                                                       index_t ld_w, index_t n_rows, index_t d,
+                                                       index_t n_rows_pf) {
+  using namespace bf16_rows_fma_detail;
+  constexpr int R = 2 * kFmaPairs;
+  alignas(64) float panel[kFmaPairs * kFmaSteps * 16];
+  alignas(64) double lanes[kFmaChunkTokens][kFmaPairs][16];
+  for (index_t c0 = 0; c0 < n_tok; c0 += kFmaChunkTokens) {
+    const int nc = int(std::min<index_t>(kFmaChunkTokens, n_tok - c0));
+    for (index_t r0 = 0; r0 < n_rows; r0 += R) {
+      const int nr = int(std::min<index_t>(R, n_rows - r0));
+      for (int t = 0; t < nc; ++t)
+        for (int p = 0; p < kFmaPairs; ++p)
+          for (int i = 0; i < 16; i += 8) _mm512_store_pd(&lanes[t][p][i], _mm512_setzero_pd());
+      for (index_t k0 = 0; k0 < d; k0 += kBf16DotBlock) {
+        const index_t steps = (std::min<index_t>(d, k0 + kBf16DotBlock) - k0) / 8;
+        widen_pairs(panel, w + r0 * ld_w, ld_w, nr, k0, steps);
+        {  // the next row block, into L2, a block's share at a time
+          const index_t n_next = std::clamp<index_t>(n_rows_pf - (r0 + R), 0, R);
+          for (index_t r = 0; r < n_next; ++r)
+            for (index_t k = k0; k < k0 + 8 * steps; k += 32)
+              _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + R + r) * ld_w + k), _MM_HINT_T1);
+        }
+        for (int t0 = 0; t0 < nc; t0 += kFmaTileTokens) {
+          const int nt = std::min(kFmaTileTokens, nc - t0);
+          with_static_count<kFmaTileTokens>(nt, [&]<int NT>() TILEDECODE_TARGET_AVX512 {
+            fma_block<NT>(lanes + t0, panel, x + (c0 + t0) * ld_x + k0, ld_x, steps);
+          });
+        }
+      }
+      for (int t = 0; t < nc; ++t)
+        for (int r = 0; r < nr; ++r) {
+          double s = 0.0;
+          for (int l = 0; l < 8; ++l) s += lanes[t][r / 2][8 * (r % 2) + l];
+          float& o = out[(c0 + t) * ld_out + r0 + r];
+          o = kAccumulate ? float(double(o) + s) : float(s);
+        }
+    }
+  }
+}
+
 }  // namespace tiledecode::cpu::avx512
 TILEDECODE_AVX512_END
 #endif
