@@ -171,6 +171,17 @@ struct LayerWeights : torch::CustomClassHolder {
 };
 
 // Names of the weight tensors of a family (LayerWeights' dict keys), in the spec's order.
+// The step's pool sizes from an op's `pools` list (6 entries, or 8 with the prefix-caching
+// compressed pools) and its six base tables (ops_paged.cpp; shared by build_metadata and
+// _cpp_decode_loop).
+td::paged::PoolSizes pool_sizes(std::string_view op, const std::vector<std::int64_t>& p);
+td::paged::StepTables step_tables_of(std::string_view op, const at::Tensor& block_table,
+                                     const at::Tensor& cmp_block_table,
+                                     const at::Tensor& idx_block_table,
+                                     const at::Tensor& hca_state_table,
+                                     const at::Tensor& csa_state_table,
+                                     const at::Tensor& csa_inner_state_table);
+
 std::vector<std::string> weight_names(td::LayerKind kind);
 td::LayerKind layer_kind(std::string_view op, std::int64_t kind);
 

@@ -112,21 +112,14 @@ void cpp_decode_loop(const at::Tensor& x_out, const at::Tensor& x_hc,
   const auto in = cview_of<float, 4>(x_hc, op, "x_hc");
   const auto st = cview_of<std::int32_t, 2>(starts, op, "starts");
   if (!starts.is_contiguous()) value_error(op, "starts", "is not contiguous");
-  if (pools.size() != 6) value_error(op, "pools", "must have 6 entries");
   td::check_equal<index_t>(op, "x_hc.extent(0)", in.extent(0), st.extent(0));
   td::check_equal<index_t>(op, "x_out.extent(0)", out.extent(0), st.extent(0));
   const td::decode::LayerCaches c =
       caches_of(op, kv_cache, cmp_kv, state, idx_kv_cache, idx_kv_scale, inner_state);
-  const td::paged::StepTables tb{
-      cview_of<std::int32_t, 2>(block_table, op, "block_table"),
-      cview_of<std::int32_t, 2>(cmp_block_table, op, "cmp_block_table"),
-      cview_of<std::int32_t, 2>(idx_block_table, op, "idx_block_table"),
-      cview_of<std::int32_t, 2>(hca_state_table, op, "hca_state_table"),
-      cview_of<std::int32_t, 2>(csa_state_table, op, "csa_state_table"),
-      cview_of<std::int32_t, 2>(csa_inner_state_table, op, "csa_inner_state_table")};
-  td::paged::PoolSizes ps;
-  ps.ori = pools[0], ps.cmp = pools[1], ps.idx = pools[2];
-  ps.hca_state = pools[3], ps.csa_state = pools[4], ps.csa_inner_state = pools[5];
+  const td::paged::StepTables tb =
+      step_tables_of(op, block_table, cmp_block_table, idx_block_table, hca_state_table,
+                     csa_state_table, csa_inner_state_table);
+  const td::paged::PoolSizes ps = pool_sizes(op, pools);
   const int B = int(st.extent(1)), S = int(seq);
   const auto be = cpu_backend();
   td::paged::StepMetadata md(B, S, cfg);

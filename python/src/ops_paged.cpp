@@ -51,6 +51,14 @@ td::View<T, R> rows_of(const at::Tensor& t, std::string_view op, std::string_vie
   }
 }
 
+td::ConstView<std::int32_t, 2> table_of(const c10::optional<at::Tensor>& t, std::string_view op,
+                                        std::string_view arg) {
+  if (!t.has_value() || !t->defined()) return {};
+  return cview_of<std::int32_t, 2>(*t, op, arg);
+}
+
+}  // namespace
+
 td::paged::PoolSizes pool_sizes(std::string_view op, const std::vector<std::int64_t>& p) {
   if (p.size() != 6 && p.size() != 8)
     value_error(op, "pools",
@@ -71,13 +79,20 @@ td::paged::PoolSizes pool_sizes(std::string_view op, const std::vector<std::int6
   return s;
 }
 
-td::ConstView<std::int32_t, 2> table_of(const c10::optional<at::Tensor>& t, std::string_view op,
-                                        std::string_view arg) {
-  if (!t.has_value() || !t->defined()) return {};
-  return cview_of<std::int32_t, 2>(*t, op, arg);
+td::paged::StepTables step_tables_of(std::string_view op, const at::Tensor& block_table,
+                                     const at::Tensor& cmp_block_table,
+                                     const at::Tensor& idx_block_table,
+                                     const at::Tensor& hca_state_table,
+                                     const at::Tensor& csa_state_table,
+                                     const at::Tensor& csa_inner_state_table) {
+  return td::paged::StepTables{
+      cview_of<std::int32_t, 2>(block_table, op, "block_table"),
+      cview_of<std::int32_t, 2>(cmp_block_table, op, "cmp_block_table"),
+      cview_of<std::int32_t, 2>(idx_block_table, op, "idx_block_table"),
+      cview_of<std::int32_t, 2>(hca_state_table, op, "hca_state_table"),
+      cview_of<std::int32_t, 2>(csa_state_table, op, "csa_state_table"),
+      cview_of<std::int32_t, 2>(csa_inner_state_table, op, "csa_inner_state_table")};
 }
-
-}  // namespace
 
 void build_metadata(const c10::intrusive_ptr<StepMetadata>& md, const at::Tensor& starts,
                     std::int64_t seq, std::int64_t commit_tokens, const at::Tensor& block_table,
@@ -95,13 +110,9 @@ void build_metadata(const c10::intrusive_ptr<StepMetadata>& md, const at::Tensor
     value_error(
         op, "layout",
         "= " + std::to_string(layout) + "; allowed 0 (base), 1 (device_ring), 2 (prefix_caching)");
-  td::paged::StepTables tb{
-      cview_of<std::int32_t, 2>(block_table, op, "block_table"),
-      cview_of<std::int32_t, 2>(cmp_block_table, op, "cmp_block_table"),
-      cview_of<std::int32_t, 2>(idx_block_table, op, "idx_block_table"),
-      cview_of<std::int32_t, 2>(hca_state_table, op, "hca_state_table"),
-      cview_of<std::int32_t, 2>(csa_state_table, op, "csa_state_table"),
-      cview_of<std::int32_t, 2>(csa_inner_state_table, op, "csa_inner_state_table")};
+  td::paged::StepTables tb =
+      step_tables_of(op, block_table, cmp_block_table, idx_block_table, hca_state_table,
+                     csa_state_table, csa_inner_state_table);
   tb.layout = td::paged::Layout(layout);
   tb.hca_cmp_block_table = table_of(hca_cmp_block_table, op, "hca_cmp_block_table");
   tb.csa_cmp_block_table = table_of(csa_cmp_block_table, op, "csa_cmp_block_table");

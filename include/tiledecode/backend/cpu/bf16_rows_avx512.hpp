@@ -64,14 +64,7 @@ TILEDECODE_TARGET_AVX512 inline void tile_block(double (*lanes)[NT][16], const b
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) {
-      double* d = lanes[r][t];
-      _mm512_storeu_pd(
-          d, _mm512_add_pd(_mm512_loadu_pd(d), _mm512_cvtps_pd(_mm512_castps512_ps256(c[r][t]))));
-      _mm512_storeu_pd(d + 8, _mm512_add_pd(_mm512_loadu_pd(d + 8),
-                                            _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
-                                                _mm512_castps_pd(c[r][t]), 1)))));
-    }
+    for (int t = 0; t < NT; ++t) add_to_f64(lanes[r][t], c[r][t]);
 }
 
 // sums[r][t] = Σ_k w[r*ld_w + k] * x[t*ld_x + k], k < n, in the order at the top.
@@ -135,6 +128,9 @@ inline constexpr int kFmaPairs = 4;         // row pairs per panel and register 
 inline constexpr int kFmaTileTokens = 6;    // tokens per register tile (24 accumulators)
 inline constexpr int kFmaChunkTokens = 96;  // tokens per chunk of double lanes
 inline constexpr index_t kFmaSteps = kBf16DotBlock / 8;  // 8-k steps per block
+// Callers take bf16_rows_dot_fma above this many tokens, avx2::bf16_rows_dot up to it (the same
+// bits): at 8 tokens the panel's widening does not pay (1536 rows × 4096: 1.52 vs 1.32 ms).
+inline constexpr index_t kFmaMinTokens = 9;
 
 // panel[(p·kFmaSteps + j)·16 + 8h + l] = float(w[(2p + h)·ld_w + k0 + 8j + l]) for j < steps,
 // rows 2p + h < nr; 0 for the other rows.
@@ -172,13 +168,7 @@ TILEDECODE_TARGET_AVX512 inline void fma_block(double (*lanes)[kFmaPairs][16], c
     }
   }
   for (int t = 0; t < NT; ++t)
-    for (int p = 0; p < kFmaPairs; ++p) {
-      double* d0 = lanes[t][p];
-      const __m256 lo = _mm512_castps512_ps256(c[p][t]);
-      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c[p][t]), 1));
-      _mm512_store_pd(d0, _mm512_add_pd(_mm512_load_pd(d0), _mm512_cvtps_pd(lo)));
-      _mm512_store_pd(d0 + 8, _mm512_add_pd(_mm512_load_pd(d0 + 8), _mm512_cvtps_pd(hi)));
-    }
+    for (int p = 0; p < kFmaPairs; ++p) add_to_f64(lanes[t][p], c[p][t]);
 }
 
 }  // namespace bf16_rows_fma_detail

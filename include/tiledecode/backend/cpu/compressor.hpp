@@ -135,7 +135,7 @@ struct backend_ops_compressor {
       // avx512, more than 8 tokens: the same bits on 512-bit FMA, the weights widened once per
       // 96 tokens instead of once per 4 (bf16_rows_avx512.hpp; T = 128: 2.1x, T = 512: 2.7x).
       if constexpr (I == Isa::avx512) {
-        if (T > 8) {
+        if (T >= avx512::bf16_rows_fma_detail::kFmaMinTokens) {
           avx512::bf16_rows_dot_fma<false>(out, SW, ws.x32, D, T, wr, m.stride(0), n, D, OUT - r0);
           return;
         }

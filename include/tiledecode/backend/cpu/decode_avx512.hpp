@@ -37,7 +37,7 @@ namespace tiledecode::cpu::avx512 {
 inline constexpr int kTiledCols = 64;            // columns per slab
 inline constexpr int kTiledTileTokens = 6;       // tokens per register tile
 inline constexpr int kTiledBlockTokens = 128;    // tokens per double-accumulator block
-inline constexpr std::int64_t kTiledAhead = 64;  // rows of software prefetch: the next group's
+inline constexpr std::int64_t kTiledAhead = 64;  // rows of software prefetch (one group)
 
 // panel[r * 64 + n] = float(w[(k0 + r) * w_ld + c0 + n]) for r < rows, n < 64 (exact widening);
 // prefetches the rows kTiledAhead ahead, i.e. the next group's panel, which then arrives while
@@ -78,13 +78,7 @@ TILEDECODE_TARGET_AVX512 inline void tiled_group(double* dacc, const float* x, s
     }
   }
   for (int t = 0; t < TT; ++t)
-    for (int c = 0; c < 4; ++c) {
-      double* d = dacc + t * kTiledCols + 16 * c;
-      const __m256 lo = _mm512_castps512_ps256(s[t][c]);
-      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s[t][c]), 1));
-      _mm512_storeu_pd(d, _mm512_add_pd(_mm512_loadu_pd(d), _mm512_cvtps_pd(lo)));
-      _mm512_storeu_pd(d + 8, _mm512_add_pd(_mm512_loadu_pd(d + 8), _mm512_cvtps_pd(hi)));
-    }
+    for (int c = 0; c < 4; ++c) add_to_f64(dacc + t * kTiledCols + 16 * c, s[t][c]);
 }
 
 // avx2::matmul_bf16_axpy's contract and bits for any T: dst[t, n] = float(Σ_k x[t, k] w[k, n])

@@ -37,6 +37,17 @@ TILEDECODE_TARGET_AVX512 inline __m512i u8_offset() {
   return _mm512_set1_epi8(static_cast<char>(0x80));
 }
 
+// d[0..16) += double(s[0..16)) lane for lane (d unaligned): the flush of an FP32 partial into its
+// double accumulator in the two-level summation orders (one rounding per lane, as avx2's
+// add_to_f64 / flush per 8 lanes).
+TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline void add_to_f64(double* d,
+                                                                               __m512 s) {
+  const __m256 lo = _mm512_castps512_ps256(s);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));
+  _mm512_storeu_pd(d, _mm512_add_pd(_mm512_loadu_pd(d), _mm512_cvtps_pd(lo)));
+  _mm512_storeu_pd(d + 8, _mm512_add_pd(_mm512_loadu_pd(d + 8), _mm512_cvtps_pd(hi)));
+}
+
 // The sum of the two 256-bit halves, lane for lane (int32; exact up to INT32).
 TILEDECODE_TARGET_AVX512 inline __m256i fold_epi32(__m512i v) {
   return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
