@@ -28,6 +28,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ceilings.hpp"
@@ -165,15 +166,15 @@ struct OprojProblem {
   }
 };
 
-void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int threads,
+void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int seq, int threads,
               td::cpu::Isa isa) {
   if (!td::cpu::cpu_supports(isa)) {
     state.SkipWithError("ISA not supported by this CPU");
     return;
   }
   static std::map<std::string, std::unique_ptr<OprojProblem>> cache;
-  auto& slot = cache[std::string(cfg.name) + std::to_string(batch)];
-  if (!slot) slot = std::make_unique<OprojProblem>(cfg, index_t(batch) * 2);
+  auto& slot = cache[std::string(cfg.name) + std::to_string(batch * seq)];
+  if (!slot) slot = std::make_unique<OprojProblem>(cfg, index_t(batch) * seq);
   OprojProblem& p = *slot;
   std::unique_ptr<td::ThreadPool> pool;
   if (threads > 1) pool = std::make_unique<td::ThreadPool>(threads);
@@ -261,22 +262,23 @@ const int kRegistered = [] {
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
       }
-  for (int batch : {4, 64})
+  // B = 64 at S = 2 and S = 8: T = 128 and the serving tree's T = 512.
+  for (auto [batch, seq] : {std::pair{4, 2}, std::pair{64, 2}, std::pair{64, 8}})
     for (int threads : {1, 2}) {
-      const std::string name =
-          "oproj_flash/B:" + std::to_string(batch) + "/S:2/threads:" + std::to_string(threads);
-      benchmark::RegisterBenchmark(name.c_str(), bm_oproj, td::flash_config(), batch, threads,
+      const std::string name = "oproj_flash/B:" + std::to_string(batch) +
+                               "/S:" + std::to_string(seq) + "/threads:" + std::to_string(threads);
+      benchmark::RegisterBenchmark(name.c_str(), bm_oproj, td::flash_config(), batch, seq, threads,
                                    td::cpu::detect_isa())
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
-  benchmark::RegisterBenchmark("oproj_pro/B:4/S:2/threads:1", bm_oproj, td::pro_config(), 4, 1,
+  benchmark::RegisterBenchmark("oproj_pro/B:4/S:2/threads:1", bm_oproj, td::pro_config(), 4, 2, 1,
                                td::cpu::detect_isa())
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
   if (td::cpu::has_vnni(td::cpu::detect_isa())) {
     benchmark::RegisterBenchmark("oproj_flash_avx2/B:4/S:2/threads:1", bm_oproj, td::flash_config(),
-                                 4, 1, td::cpu::Isa::avx2)
+                                 4, 2, 1, td::cpu::Isa::avx2)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }

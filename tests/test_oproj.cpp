@@ -120,6 +120,38 @@ TEST(Oproj, OddTokenCountsAndThreadsBitIdentical) {
                                        0.005));
 }
 
+// Batch invariance across the kernels' token blocking: from 16 tokens on, the avx512 tier runs
+// wo_a and wo_b on cache-blocked kernels (chunks of 64 tokens, register tiles of 6) that must give
+// the bits of its small-batch kernels, and every tier must give each token the bits it gets
+// decoded alone or in a batch of 8. T = 70: two chunks, a partial register tile in each.
+TEST(Oproj, LargeBatchBitIdenticalToSmallBatches) {
+  const auto& w = flash_weights();
+  const index_t T = 70, G = w.cfg.o_groups, K = w.cfg.o_group_in(), N = w.cfg.hidden;
+  const auto o = random_o(w.cfg, T, 77);
+  const auto rows = [&](index_t t0, index_t n) {  // tokens [t0, t0 + n) of o, every group
+    td::Tensor<bf16, 2> sub({G * n, K});
+    for (index_t g = 0; g < G; ++g)
+      std::memcpy(&sub.view()(g * n, 0), &o.view()(g * T + t0, 0),
+                  std::size_t(n * K) * sizeof(bf16));
+    return sub;
+  };
+  for (auto isa : isas()) {
+    SCOPED_TRACE(td::cpu::to_string(isa));
+    const auto all = run_kernel(w, o, T, isa);
+    td::ThreadPool pool(2);
+    const auto two = run_kernel(w, o, T, isa, &pool);
+    EXPECT_EQ(0, std::memcmp(all.data(), two.data(), all.size() * sizeof(bf16))) << "2 threads";
+    for (index_t n : {1, 8}) {
+      for (index_t t0 = 0; t0 + n <= T; t0 += n == 1 ? 23 : n) {
+        const auto part = run_kernel(w, rows(t0, n), n, isa);
+        EXPECT_EQ(0,
+                  std::memcmp(&all.view()(t0, 0), part.data(), std::size_t(n * N) * sizeof(bf16)))
+            << "tokens " << t0 << ".." << t0 + n - 1 << " decoded in a batch of " << n;
+      }
+    }
+  }
+}
+
 // The avx2_vnni tier changes only the INT8 wo_b dot, which is exact on every tier: outputs must
 // be bit-identical to avx2 (weights span the full int8 range, -128 included).
 void expect_tier_bit_identical_to_avx2(td::cpu::Isa tier) {

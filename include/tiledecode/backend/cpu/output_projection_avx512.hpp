@@ -15,23 +15,36 @@
 TILEDECODE_AVX512_BEGIN
 namespace tiledecode::cpu::avx512 {
 
-// One 64-byte step r of oproj_b_tile through the byte mask m (all ones, or the low 32 bytes for
-// the last half step): the weight rows offset to u8 (w + 128), the activations signed; a masked
-// activation byte is zero and adds nothing whatever the weight.
-template <int NT>
-TILEDECODE_TARGET_AVX512 inline void oproj_b_step(__m512i (&acc)[NT][2], const std::int8_t* a,
-                                                  std::int64_t lda, const std::int8_t* w,
-                                                  std::int64_t ldw, int r, __mmask64 m) {
-  // The next pair of weight rows, non-temporal (see avx2_vnni::oproj_b_tile).
-  _mm_prefetch(reinterpret_cast<const char*>(w + 2 * ldw + r), _MM_HINT_NTA);
-  _mm_prefetch(reinterpret_cast<const char*>(w + 3 * ldw + r), _MM_HINT_NTA);
+// 64 bytes at p, or (kHalf) 32 through a zeroing mask.
+template <bool kHalf>
+TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline __m512i load64(
+    const std::int8_t* p) {
+  if constexpr (kHalf) {
+    return _mm512_maskz_loadu_epi8(__mmask64{0xFFFFFFFFu}, p);
+  } else {
+    return _mm512_loadu_si512(p);
+  }
+}
+
+// One 64-byte step r of an NC-row × NT-token tile, whole or (kHalf) the low 32 bytes through a
+// zeroing mask (the last half step; whole steps take plain loads, a masked load costs several
+// times one on Zen 4): the weight rows offset to u8 (w + 128), the activations signed; a masked
+// activation byte is zero and adds nothing whatever the weight. kPrefetchNext:
+// the next NC weight rows, non-temporal (see avx2_vnni::oproj_b_tile), for the tiles that read
+// each weight once.
+template <int NC, int NT, bool kPrefetchNext, bool kHalf>
+TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline void oproj_b_step(
+    __m512i (&acc)[NT][NC], const std::int8_t* a, std::int64_t lda, const std::int8_t* w,
+    std::int64_t ldw, int r) {
+  if constexpr (kPrefetchNext)
+    for (int c = 0; c < NC; ++c)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (NC + c) * ldw + r), _MM_HINT_NTA);
   const __m512i offset = u8_offset();
-  const __m512i w0 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w + r), offset);
-  const __m512i w1 = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w + ldw + r), offset);
+  __m512i wv[NC];
+  for (int c = 0; c < NC; ++c) wv[c] = _mm512_xor_si512(load64<kHalf>(w + c * ldw + r), offset);
   for (int t = 0; t < NT; ++t) {
-    const __m512i av = _mm512_maskz_loadu_epi8(m, a + t * lda + r);
-    acc[t][0] = dpbusd(acc[t][0], w0, av);
-    acc[t][1] = dpbusd(acc[t][1], w1, av);
+    const __m512i av = load64<kHalf>(a + t * lda + r);
+    for (int c = 0; c < NC; ++c) acc[t][c] = dpbusd(acc[t][c], wv[c], av);
   }
 }
 
@@ -50,8 +63,8 @@ TILEDECODE_TARGET_AVX512 inline void oproj_b_tile(std::int32_t* p, std::int64_t 
   __m512i acc[NT][2];
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
   int r = 0;
-  for (; r + 64 <= kr; r += 64) oproj_b_step<NT>(acc, a, lda, w, ldw, r, ~__mmask64{0});
-  if (r < kr) oproj_b_step<NT>(acc, a, lda, w, ldw, r, __mmask64{0xFFFFFFFFu});
+  for (; r + 64 <= kr; r += 64) oproj_b_step<2, NT, true, false>(acc, a, lda, w, ldw, r);
+  if (r < kr) oproj_b_step<2, NT, true, true>(acc, a, lda, w, ldw, r);
   if constexpr (NT == 4) {
     if (ldp == 2) {  // p is 8 consecutive int32 (t-major, c-minor): one reduction, one store
       const __m256i v[8] = {fold_epi32(acc[0][0]), fold_epi32(acc[0][1]), fold_epi32(acc[1][0]),
@@ -83,6 +96,103 @@ TILEDECODE_TARGET_AVX512 inline void oproj_b_pair(std::int32_t* p, std::int64_t 
   int t = 0;
   for (; t + 4 <= nt; t += 4) tile.template operator()<4>(t);
   if (t < nt) with_static_count<3>(nt - t, [&]<int NT>() { tile.template operator()<NT>(t); });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The wo_b stage for many tokens: oproj_b_tile's exact P_g on register tiles of 4 weight rows ×
+// 6 tokens (24 accumulators; per 64-byte step 4 weight loads from L1, 6 activation loads, 24
+// vpdpbusd), the weights of 4 channels of one group (4 KB) kept in L1 while every token tile of
+// a chunk runs them. The 2 × 4 tiles above read each weight once per 16 tokens and the
+// activations once per channel pair: at 128 tokens both stream from L2 and the stage reaches a
+// quarter of the vpdpbusd ceiling.
+inline constexpr int kOprojBRows = 4;          // weight rows (output channels) per tile
+inline constexpr int kOprojBTileTokens = 6;    // tokens per tile
+inline constexpr int kOprojBChunkTokens = 64;  // tokens per chunk of FP32 group sums
+// project_b takes oproj_b_rows from this many tokens (the same bits: P_g is exact).
+inline constexpr std::int64_t kOprojBBlockedMinTokens = 16;
+
+// One group's dequantised sums of output channels [0, NC) (weight rows w + c·ldw) for NT tokens,
+// added to their running FP32 sums:
+//   acc[t * ld_acc + c] += adq[t * ld_tok] · float(P[t, c]),
+//   P[t, c] = Σ_{r < kr} a[t * lda + r] · w[c * ldw + r]   (exact INT32)
+// with oproj_b_tile's offset and bounds (a_sum[t * ld_tok] = Σ_r a[t * lda + r]). The product and
+// the sum are each rounded, in vector lanes or not: the other tiers' combine, bit for bit, when
+// the caller runs the groups in ascending order. a, a_sum and adq point at the first token's
+// group.
+template <int NC, int NT, bool kHalfStep>
+TILEDECODE_TARGET_AVX512 inline void oproj_b_tile_rows(
+    float* acc, std::int64_t ld_acc, const std::int8_t* a, std::int64_t lda, const std::int8_t* w,
+    std::int64_t ldw, int kr, const float* adq, const std::int32_t* a_sum, std::int64_t ld_tok) {
+  __m512i c[NT][NC];
+  for (int t = 0; t < NT; ++t)
+    for (int n = 0; n < NC; ++n) c[t][n] = _mm512_setzero_si512();
+  // kHalfStep (kr % 64 == 32) is the caller's: without it there is no tail code, before which
+  // GCC would park the 24 accumulators on the stack.
+  int r = 0;
+  for (; r + 64 <= kr; r += 64) oproj_b_step<NC, NT, false, false>(c, a, lda, w, ldw, r);
+  if constexpr (kHalfStep) oproj_b_step<NC, NT, false, true>(c, a, lda, w, ldw, r);
+  // Eight folded accumulators per horizontal sum (integer sums: any order, the same result). The
+  // loops are unrolled whole so that c stays in registers.
+  constexpr int n = NT * NC, n8 = (n + 7) / 8 * 8;
+  __m256i f[n8];
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+    for (int k = 0; k < NC; ++k) f[t * NC + k] = fold_epi32(c[t][k]);
+#pragma GCC unroll 8
+  for (int i = n; i < n8; ++i) f[i] = _mm256_setzero_si256();
+  if constexpr (NC == 4) {
+    // Two tokens' four channels per sum vector: offset, convert, scale and add in lanes.
+#pragma GCC unroll 3
+    for (int t = 0; t < NT; t += 2) {
+      const int t1 = t + 1 < NT ? t + 1 : t;  // an odd last token: its lanes are dropped
+      const __m256i v[8] = {f[4 * t],     f[4 * t + 1], f[4 * t + 2], f[4 * t + 3],
+                            f[4 * t + 4], f[4 * t + 5], f[4 * t + 6], f[4 * t + 7]};
+      const __m256i bias = _mm256_setr_m128i(_mm_set1_epi32(128 * a_sum[t * ld_tok]),
+                                             _mm_set1_epi32(128 * a_sum[t1 * ld_tok]));
+      const __m256 scale =
+          _mm256_setr_m128(_mm_set1_ps(adq[t * ld_tok]), _mm_set1_ps(adq[t1 * ld_tok]));
+      const __m256 d =
+          _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(avx2::hsum8_epi32(v), bias)));
+      float* a0 = acc + t * ld_acc;
+      _mm_storeu_ps(a0, _mm_add_ps(_mm_loadu_ps(a0), _mm256_castps256_ps128(d)));
+      if (t + 1 < NT) {
+        float* a1 = acc + (t + 1) * ld_acc;
+        _mm_storeu_ps(a1, _mm_add_ps(_mm_loadu_ps(a1), _mm256_extractf128_ps(d, 1)));
+      }
+    }
+  } else {
+    alignas(32) std::int32_t sums[n8];
+#pragma GCC unroll 3
+    for (int i0 = 0; i0 < n; i0 += 8) {
+      const __m256i v[8] = {f[i0],     f[i0 + 1], f[i0 + 2], f[i0 + 3],
+                            f[i0 + 4], f[i0 + 5], f[i0 + 6], f[i0 + 7]};
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sums + i0), avx2::hsum8_epi32(v));
+    }
+    for (int t = 0; t < NT; ++t) {
+      const std::int32_t bias = 128 * a_sum[t * ld_tok];
+      for (int k = 0; k < NC; ++k)
+        acc[t * ld_acc + k] += adq[t * ld_tok] * float(sums[t * NC + k] - bias);
+    }
+  }
+}
+
+// oproj_b_tile_rows for nc <= kOprojBRows channels and nt <= kOprojBTileTokens tokens of one
+// group (R bytes).
+TILEDECODE_TARGET_AVX512 inline void oproj_b_group(float* acc, std::int64_t ld_acc, int nt, int nc,
+                                                   const std::int8_t* a, std::int64_t lda,
+                                                   const std::int8_t* w, std::int64_t ldw,
+                                                   const float* adq, const std::int32_t* a_sum,
+                                                   std::int64_t ld_tok, int R) {
+  with_static_count<kOprojBRows>(nc, [&]<int NC>() TILEDECODE_TARGET_AVX512 {
+    with_static_count<kOprojBTileTokens>(nt, [&]<int NT>() TILEDECODE_TARGET_AVX512 {
+      if (R % 64 == 0) {
+        oproj_b_tile_rows<NC, NT, false>(acc, ld_acc, a, lda, w, ldw, R, adq, a_sum, ld_tok);
+      } else {
+        oproj_b_tile_rows<NC, NT, true>(acc, ld_acc, a, lda, w, ldw, R, adq, a_sum, ld_tok);
+      }
+    });
+  });
 }
 
 }  // namespace tiledecode::cpu::avx512

@@ -28,8 +28,19 @@ namespace tiledecode::cpu::avx512 {
 
 // acc += Σ_4 u8(a) * s8(b) per int32 lane (16 lanes): the EVEX vpdpbusd, non-saturating (wraps
 // only past INT32, which the callers' bounds exclude).
-TILEDECODE_TARGET_AVX512 inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+// GCC 12 lowers the intrinsic through a copy of the accumulator and, in tiles of many
+// accumulators, a store of every result to the stack (one 512-bit store per vpdpbusd: the INT8
+// tiles ran at half the instruction's rate); the accumulator tied in place by asm has neither.
+// AT&T order: vpdpbusd s8 (register or memory), u8, accumulator.
+TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline __m512i dpbusd(__m512i acc,
+                                                                              __m512i a,
+                                                                              __m512i b) {
+#if defined(__GNUC__) && !defined(__clang__)
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
+  return acc;
+#else
   return _mm512_dpbusd_epi32(acc, a, b);
+#endif
 }
 
 // 0x80 in every byte: XOR with it maps int8 w to the u8 w + 128 (the vpdpbusd unsigned operand).
