@@ -237,6 +237,24 @@ TEST(QkvProjection, ThreadInvariantAndOddTokenCount) {
   }
 }
 
+// Every tier against the scalar one, every output byte (T = 5): the matmuls' orders are shared,
+// and the double epilogues (per-tier target builds of one body, vectorised differently) are
+// IEEE operations in one fixed order.
+TEST(QkvProjection, EveryTierBitIdenticalToScalar) {
+  QkvFixture f(td::flash_config(), 5, 36);
+  QkvOut s(f.cfg, f.T);
+  run_qkv(f, s, td::cpu::Context{nullptr, td::cpu::Isa::scalar});
+  for (auto isa : isas()) {
+    SCOPED_TRACE(std::string(td::cpu::to_string(isa)));
+    QkvOut o(f.cfg, f.T);
+    run_qkv(f, o, td::cpu::Context{nullptr, isa});
+    EXPECT_EQ(0, std::memcmp(s.q.data(), o.q.data(), s.q.size() * 2));
+    EXPECT_EQ(0, std::memcmp(s.kv.data(), o.kv.data(), s.kv.size() * 2));
+    EXPECT_EQ(0, std::memcmp(s.qr.data(), o.qr.data(), s.qr.size()));
+    EXPECT_EQ(0, std::memcmp(s.qr_scale.data(), o.qr_scale.data(), s.qr_scale.size() * 4));
+  }
+}
+
 // The avx2_vnni wq_b matmul (vpdpbusd, weights offset to u8) is exact like the avx2 one: the
 // outputs must be bit-identical, also with weights at both int8 extremes.
 TEST(QkvProjection, VnniTierBitIdenticalToAvx2) {

@@ -27,11 +27,15 @@
 // Measured (Xeon, Sapphire Rapids class, one thread, flash, T = 128 = B 64 × S 2; perf profile
 // of bench_projection): x_n · [wq_a | wkv] 24 → 12.3 ms (axpy passes → tiled, 61 % of the
 // 512-bit FMA ceiling); qr · wq_b 18 → 14.6 ms (packed 8-column, 4-token tiles → 16-column,
-// 6-token tiles in L1 chunks; 76 % of the vpdpbusd ceiling); the epilogue 7 → 5.6 ms.
+// 6-token tiles in L1 chunks; 76 % of the vpdpbusd ceiling); the epilogue 7 → 5.6 ms. The
+// epilogue is built per tier (qkv_detail::q_head_epilogue: the same double operations, now in
+// 512- / 256-bit lanes): AMD EPYC Zen 4, T = 128, its share of the projection 13 → 7 %; T = 8
+// 5.5-5.7 → 4.9-5.2 ms.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "tiledecode/backend/cpu/backend.hpp"
 #include "tiledecode/backend/cpu/decode_avx2.hpp"
@@ -133,6 +137,72 @@ inline QkvPackedWqB pack_qkv_wq_b(const ModelConfig& cfg, ConstView<std::int8_t,
 }  // namespace kernels
 
 namespace cpu {
+
+namespace qkv_detail {
+
+// One token's head of q after its wq_b matmul: dequant, per-head RMSNorm, RoPE, BF16 store.
+struct QHeadEpilogue {
+  const std::int32_t* acc;  // [HD] INT32 qr · wq_b
+  double qr_scale;
+  const float* ws;  // wq_b_scale of the head's first column, ws_ld apart
+  index_t ws_ld, HD, NOPE, RD;
+  double eps;
+  const bf16 *cos_row, *sin_row;
+  bf16* q;  // [HD]
+};
+
+// The epilogue's arithmetic, in double and in one fixed order on every tier: each operation is
+// an IEEE double operation (lane for lane when the compiler vectorises a loop; the library is
+// built with -ffp-contract=off, so no multiply-add is fused), hence the same bits from the
+// SSE2 baseline, the AVX2 and the AVX-512 instantiations below. It runs T·H·HD times per step:
+// at T = 128 the SSE2 build of it took 13 % of the projection.
+__attribute__((always_inline)) inline void q_head_epilogue_body(const QHeadEpilogue& e,
+                                                                double* qf) {
+  const index_t HD = e.HD;
+  for (index_t n = 0; n < HD; ++n)
+    qf[n] = double(e.acc[n]) * e.qr_scale * double(e.ws[n * e.ws_ld]);
+  // Σ qf² in four interleaved double partials (n mod 4), joined pairwise: the order is fixed,
+  // and four chains instead of one keep the add latency off the critical path.
+  // The four partials are the lanes of one 4-double vector (GCC/Clang vector extension: one
+  // ymm, or two SSE2 registers on the baseline; lane j adds qf[n + j]² in ascending n).
+  using d4 = double __attribute__((vector_size(32)));
+  d4 ss4 = {0.0, 0.0, 0.0, 0.0};
+  index_t n = 0;
+  for (; n + 4 <= HD; n += 4) {
+    d4 v;
+    std::memcpy(&v, qf + n, sizeof v);
+    ss4 += v * v;
+  }
+  for (; n < HD; ++n) ss4[n % 4] += qf[n] * qf[n];
+  const double ss = (ss4[0] + ss4[1]) + (ss4[2] + ss4[3]);
+  const double r = 1.0 / std::sqrt(ss / double(HD) + e.eps);
+  for (index_t i = 0; i < HD; ++i) qf[i] *= r;
+  rope_forward_f64(qf + e.NOPE, e.cos_row, e.sin_row, e.RD);
+  for (index_t i = 0; i < HD; ++i) e.q[i] = bf16(float(qf[i]));
+}
+
+#if TILEDECODE_X86
+TILEDECODE_TARGET_AVX512 inline void q_head_epilogue_avx512(const QHeadEpilogue& e, double* qf) {
+  q_head_epilogue_body(e, qf);
+}
+TILEDECODE_TARGET_AVX2 inline void q_head_epilogue_avx2(const QHeadEpilogue& e, double* qf) {
+  q_head_epilogue_body(e, qf);
+}
+#endif
+inline void q_head_epilogue_base(const QHeadEpilogue& e, double* qf) {
+  q_head_epilogue_body(e, qf);
+}
+
+template <Isa I>
+inline void q_head_epilogue(const QHeadEpilogue& e, double* qf) {
+#if TILEDECODE_X86
+  if constexpr (I == Isa::avx512) return q_head_epilogue_avx512(e, qf);
+  if constexpr (has_avx2(I)) return q_head_epilogue_avx2(e, qf);
+#endif
+  q_head_epilogue_base(e, qf);
+}
+
+}  // namespace qkv_detail
 
 template <Isa I>
 struct backend_ops_qkv_projection {
@@ -288,26 +358,19 @@ struct backend_ops_qkv_projection {
         }
         for (int tt = 0; tt < tc; ++tt) {
           const index_t t = t0 + tt;
-          const double qs = a.qr_scale(t);
-          const float* ws = a.w.wq_b_scale.data() + n0 * a.w.wq_b_scale.stride(0);
-          const index_t ws_ld = a.w.wq_b_scale.stride(0);
-          for (index_t n = 0; n < HD; ++n)
-            qf[n] = double(acc[tt * kAccLd + n]) * qs * double(ws[n * ws_ld]);
-          // Σ qf² in four interleaved double partials (n mod 4), joined pairwise: the order is
-          // fixed (every tier runs this code), and four chains instead of one keep the add
-          // latency off the critical path (this epilogue runs T·H·512 times per step).
-          double ss4[4] = {0.0, 0.0, 0.0, 0.0};
-          index_t n = 0;
-          for (; n + 4 <= HD; n += 4)
-            for (int j = 0; j < 4; ++j) ss4[j] += qf[n + j] * qf[n + j];
-          for (; n < HD; ++n) ss4[n % 4] += qf[n] * qf[n];
-          const double ss = (ss4[0] + ss4[1]) + (ss4[2] + ss4[3]);
-          const double r = 1.0 / std::sqrt(ss / double(HD) + double(a.cfg->rms_eps));
-          for (index_t n = 0; n < HD; ++n) qf[n] *= r;
           const index_t pos = a.positions(t);
-          rope_forward_f64(qf + NOPE, a.rope.cos_row(pos), a.rope.sin_row(pos), RD);
-          bf16* qd = a.q.data() + t * a.q.stride(0) + h * a.q.stride(1);
-          for (index_t n = 0; n < HD; ++n) qd[n] = bf16(float(qf[n]));
+          const qkv_detail::QHeadEpilogue e{acc + tt * kAccLd,
+                                            a.qr_scale(t),
+                                            a.w.wq_b_scale.data() + n0 * a.w.wq_b_scale.stride(0),
+                                            a.w.wq_b_scale.stride(0),
+                                            HD,
+                                            NOPE,
+                                            RD,
+                                            double(a.cfg->rms_eps),
+                                            a.rope.cos_row(pos),
+                                            a.rope.sin_row(pos),
+                                            a.q.data() + t * a.q.stride(0) + h * a.q.stride(1)};
+          qkv_detail::q_head_epilogue<I>(e, qf);
         }
       }
     });
