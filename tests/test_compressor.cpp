@@ -231,13 +231,16 @@ Outputs run_golden(const Fixture& f,
   return o;
 }
 
+// bf16: the avx512 tier's BF16 row products (automatic: this CPU's choice, fma on Intel, dpbf16
+// on AMD; the other tiers ignore it).
 Outputs run_kernel(const Fixture& f, td::cpu::Isa isa, int threads,
-                   tk::InnerRopePosition rule = tk::InnerRopePosition::window_start) {
+                   tk::InnerRopePosition rule = tk::InnerRopePosition::window_start,
+                   td::cpu::Bf16Dot bf16 = td::cpu::Bf16Dot::automatic) {
   Outputs o = fresh_outputs(f);
   const auto& w = weights(f.opt.kind);
   std::optional<td::ThreadPool> pool;
   if (threads > 1) pool.emplace(threads);
-  const td::cpu::Context ctx{pool ? &*pool : nullptr, td::cpu::checked_isa(isa)};
+  const td::cpu::Context ctx{pool ? &*pool : nullptr, td::cpu::checked_isa(isa), bf16};
   td::Tensor<float, 1> ws({tk::compressor_workspace_size(cfg(), f.spec, f.shape.tokens())});
   if (f.opt.kind == Kind::inner) {
     tk::indexer_compressor_step(ctx, cfg(), o.state.view(), o.idx.view(), o.scale.view(),
@@ -525,9 +528,11 @@ TEST(IndexerCompressor, BitIdenticalForAnyThreadCount) {
 }
 
 // --- Every tier gives the same bits ------------------------------------------------------------
-// The projections share one order (backend/cpu/bf16_rows_avx2.hpp), and the pooling in double, the
-// norm, the RoPE and the Hadamard are the same operations on every tier (kernels/compressor.hpp,
-// "Pooling in double"), so every tier this machine has must match the scalar tier bit for bit.
+// The projections share one order (backend/cpu/bf16_rows_avx2.hpp; on avx512 with
+// Bf16Dot::fma), and the pooling in double, the norm, the RoPE and the Hadamard are the same
+// operations on every tier (kernels/compressor.hpp, "Pooling in double"), so every tier this
+// machine has must match the scalar tier bit for bit. Bf16Dot::dpbf16 (vdpbf16ps, another
+// summation order) is held to golden instead (Avx512Bf16DotMatchesGolden below).
 TEST(CompressorTiers, BitIdenticalAcrossTiers) {
   for (Kind k : {Kind::csa, Kind::hca, Kind::inner}) {
     SCOPED_TRACE(int(k));
@@ -535,7 +540,9 @@ TEST(CompressorTiers, BitIdenticalAcrossTiers) {
     ASSERT_GT(f.emitted(), 0);
     const Outputs ref = run_kernel(f, td::cpu::Isa::scalar, 2);
     for (td::cpu::Isa isa : td::cpu::supported_isas())
-      expect_identical(ref, run_kernel(f, isa, 2), std::string(td::cpu::to_string(isa)));
+      expect_identical(
+          ref, run_kernel(f, isa, 2, tk::InnerRopePosition::window_start, td::cpu::Bf16Dot::fma),
+          std::string(td::cpu::to_string(isa)));
   }
 }
 
@@ -549,11 +556,71 @@ TEST(CompressorTiers, BitIdenticalAcrossTiersAtLargerBatch) {
     ASSERT_GT(f.emitted(), 0);
     const Outputs ref = run_kernel(f, td::cpu::Isa::scalar, 2);
     for (td::cpu::Isa isa : td::cpu::supported_isas())
-      expect_identical(ref, run_kernel(f, isa, 2), std::string(td::cpu::to_string(isa)));
+      expect_identical(
+          ref, run_kernel(f, isa, 2, tk::InnerRopePosition::window_start, td::cpu::Bf16Dot::fma),
+          std::string(td::cpu::to_string(isa)));
   }
 }
 
 #if TILEDECODE_X86
+// The avx512 tier with each BF16 choice, whatever this CPU's automatic one: against golden at
+// the family tolerances (expect_matches), 1 against 2 and 7 threads bit for bit, and at 2 and 21
+// tokens per step (the vdpbf16ps projections' small-batch kernel and, from 16 tokens, the
+// blocked one; their bits are the same: Avx512Bf16RowsBlockedBitIdentical).
+TEST(CompressorTiers, Avx512Bf16DotMatchesGolden) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx512))
+    GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  constexpr auto avx512 = td::cpu::Isa::avx512;
+  constexpr auto rule = tk::InnerRopePosition::window_start;
+  for (Kind k : {Kind::csa, Kind::hca, Kind::inner})
+    for (int seq : {1, 3}) {
+      const Fixture f = make_fixture(
+          {.kind = k, .starts = {8702, 3, 2, 8190, 126, 127, 4094}, .seq = seq, .seed = 33});
+      const Outputs e = run_golden(f);
+      for (auto b : {td::cpu::Bf16Dot::fma, td::cpu::Bf16Dot::dpbf16}) {
+        const std::string at = "kind " + std::to_string(int(k)) + " seq " + std::to_string(seq) +
+                               " " + std::string(td::cpu::to_string(b));
+        const Outputs one = run_kernel(f, avx512, 1, rule, b);
+        expect_matches(f, one, e, at);
+        expect_identical(one, run_kernel(f, avx512, 2, rule, b), at + " 2 threads");
+        expect_identical(one, run_kernel(f, avx512, 7, rule, b), at + " 7 threads");
+      }
+    }
+}
+
+// vdpbf16ps rows: bf16_rows_dot_blocked (from kBf16BlockedMinTokens tokens) against
+// bf16_rows_dot, every output bit, for token counts around the 6-token tiles and 64-token chunks,
+// row counts around the 4-row blocks, reductions with a partial last block of 1024 and shorter
+// than one, both = and +=: a request's projection does not depend on its batch.
+TEST(CompressorTiers, Avx512Bf16RowsBlockedBitIdentical) {
+  if (!td::cpu::cpu_supports(td::cpu::Isa::avx512))
+    GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  tdtest::Rng rng(92);
+  for (index_t d : {4096, 1050, 32})
+    for (index_t rows : {13, 4, 1})
+      for (index_t T : {16, 17, 64, 71, 130}) {
+        std::vector<bf16> x(std::size_t(T * d)), w(std::size_t(rows * d));
+        for (auto& v : x) v = bf16(rng.normal());
+        for (auto& v : w) v = bf16(rng.normal() * 0.125f);
+        const index_t ld = rows + 3;
+        std::vector<float> a(std::size_t(T * ld));
+        for (auto& v : a) v = rng.normal();
+        std::vector<float> b = a, c = a, e = a;
+        td::cpu::avx512::bf16_rows_dot<false>(a.data(), ld, x.data(), d, T, w.data(), d, rows, d,
+                                              rows);
+        td::cpu::avx512::bf16_rows_dot_blocked<false>(b.data(), ld, x.data(), d, T, w.data(), d,
+                                                      rows, d);
+        td::cpu::avx512::bf16_rows_dot<true>(c.data(), ld, x.data(), d, T, w.data(), d, rows, d,
+                                             rows);
+        td::cpu::avx512::bf16_rows_dot_blocked<true>(e.data(), ld, x.data(), d, T, w.data(), d,
+                                                     rows, d);
+        const std::string at =
+            "d=" + std::to_string(d) + " rows=" + std::to_string(rows) + " T=" + std::to_string(T);
+        EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4)) << at;
+        EXPECT_EQ(0, std::memcmp(c.data(), e.data(), c.size() * 4)) << at << " (+=)";
+      }
+}
+
 // The kernel alone against avx2::bf16_rows_dot: every output bit, for token counts around its
 // 6-token tiles and 96-token chunks, row counts around its 8-row blocks, reductions with a partial
 // last block of 1024 and shorter than one block, both = and +=.

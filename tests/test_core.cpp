@@ -453,6 +453,28 @@ TEST(Isa, DetectAndCheck) {
   }
 }
 
+// The BF16 row choice: fma and dpbf16 stand, automatic resolves to this CPU's faster one (dpbf16
+// only on an AMD CPU with the avx512 tier), and a value that names no choice is rejected by name
+// before any kernel runs.
+TEST(Isa, Bf16DotChoiceResolves) {
+  namespace cpu = td::cpu;
+  EXPECT_EQ(cpu::resolved_bf16_dot(cpu::Bf16Dot::fma), cpu::Bf16Dot::fma);
+  EXPECT_EQ(cpu::resolved_bf16_dot(cpu::Bf16Dot::dpbf16), cpu::Bf16Dot::dpbf16);
+  EXPECT_EQ(cpu::resolved_bf16_dot(cpu::Bf16Dot::automatic),
+            cpu::cpu_bf16_dot_fast() ? cpu::Bf16Dot::dpbf16 : cpu::Bf16Dot::fma);
+  if (!cpu::cpu_has_avx512()) {
+    EXPECT_FALSE(cpu::cpu_bf16_dot_fast());
+  }
+  EXPECT_EQ(cpu::to_string(cpu::Bf16Dot::dpbf16), "dpbf16");
+  const cpu::Context bad{nullptr, cpu::Isa::scalar, cpu::Bf16Dot(9)};
+  try {
+    cpu::dispatch(bad, [](auto) { ADD_FAILURE() << "ran with a bad choice"; });
+    FAIL() << "no error";
+  } catch (const td::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'bf16_dot' = 9"), std::string::npos) << e.what();
+  }
+}
+
 // The AVX-512 tier's CPUID reading agrees with the compiler's feature test where the compiler
 // knows every feature (GCC: avx512f, bw, vl, vnni, bf16).
 TEST(Isa, Avx512DetectionAgreesWithTheCompiler) {

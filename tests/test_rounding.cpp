@@ -276,6 +276,22 @@ struct CmpRates {
 // One pooling-only step of `B` requests (one token each) of compressor `kind` at state statistics
 // (kv_std, score_std); adds every tier's rates against golden to `tiers` and the previous order's
 // to `old`, and appends golden's bf16(y) rows (inner) to `y_rows`.
+// The compressors' paths: every tier with Bf16Dot::fma (one order, the same bits), and the
+// avx512 tier's vdpbf16ps projections (Bf16Dot::dpbf16, another summation order) where it runs.
+struct CmpPath {
+  td::cpu::Isa isa;
+  td::cpu::Bf16Dot bf16;
+  std::string name;
+};
+std::vector<CmpPath> cmp_paths() {
+  std::vector<CmpPath> v;
+  for (Isa isa : td::cpu::supported_isas())
+    v.push_back({isa, td::cpu::Bf16Dot::fma, std::string(td::cpu::to_string(isa))});
+  if (td::cpu::cpu_supports(Isa::avx512))
+    v.push_back({Isa::avx512, td::cpu::Bf16Dot::dpbf16, "avx512/dpbf16"});
+  return v;
+}
+
 void compressor_rate_step(CmpKind kind, index_t B, float kv_std, float score_std,
                           std::uint64_t seed, std::vector<CmpRates>& tiers, CmpRates& old,
                           std::vector<float>& y_rows) {
@@ -397,11 +413,11 @@ void compressor_rate_step(CmpKind kind, index_t B, float kv_std, float score_std
     }
   }
 
-  const auto isas = td::cpu::supported_isas();
-  tiers.resize(isas.size());
+  const auto paths = cmp_paths();
+  tiers.resize(paths.size());
   td::ThreadPool pool(2);
-  for (std::size_t k = 0; k < isas.size(); ++k) {
-    const td::cpu::Context ctx{&pool, isas[k]};
+  for (std::size_t k = 0; k < paths.size(); ++k) {
+    const td::cpu::Context ctx{&pool, paths[k].isa, paths[k].bf16};
     Out o = fresh();
     td::Tensor<float, 1> ws({tk::compressor_workspace_size(cfg, spec, B)});
     if (inner) {
@@ -428,7 +444,7 @@ void compressor_rate_step(CmpKind kind, index_t B, float kv_std, float score_std
 }
 
 void compressor_rate_test(CmpKind kind, index_t B, int steps, const char* name) {
-  const auto isas = td::cpu::supported_isas();
+  const auto paths = cmp_paths();
   std::vector<CmpRates> tiers;
   CmpRates old;
   std::vector<float> y_rows;
@@ -444,8 +460,8 @@ void compressor_rate_test(CmpKind kind, index_t B, int steps, const char* name) 
   report((w + " FP32 y off (old order)").c_str(), "-", old.y_fp32);
   if (inner) report((w + " INT8 (old order)").c_str(), "-", old.q8);
   EXPECT_GT(old.row_bf16.rate(), kPoolBar) << "the measurement no longer sees the old order";
-  for (std::size_t k = 0; k < isas.size(); ++k) {
-    const std::string tier(td::cpu::to_string(isas[k]));
+  for (std::size_t k = 0; k < paths.size(); ++k) {
+    const std::string tier = paths[k].name;
     SCOPED_TRACE(tier);
     const CmpRates& t = tiers[k];
     report((w + (inner ? " bf16(y)" : " BF16 row")).c_str(), tier, t.row_bf16);

@@ -24,10 +24,11 @@ struct Cpu {
   static constexpr bool avx2 = has_avx2(I);
   static constexpr bool vnni = has_vnni(I);
   static constexpr std::string_view name = to_string(I);
-  Executor* exec = nullptr;  // nullptr: inline on the calling thread
+  Executor* exec = nullptr;         // nullptr: inline on the calling thread
+  Bf16Dot bf16_dot = Bf16Dot::fma;  // resolved (never automatic): see Context::bf16_dot
 
   std::size_t concurrency() const { return exec ? exec->concurrency() : 1; }
-  Context context() const { return Context{exec, I}; }
+  Context context() const { return Context{exec, I, bf16_dot}; }
   // A stage of n independent tasks [0, n) (shape-only split; any order, any thread).
   template <class F>
   void tasks(std::int64_t n, F&& f) const {
@@ -40,21 +41,23 @@ struct Cpu {
   }
 };
 
-// Calls f(Cpu<ctx.isa>{ctx.exec}) and returns its result; the ISA is validated against the CPU
-// (cpu::checked_isa) once, here.
+// Calls f(Cpu<ctx.isa>{ctx.exec, bf16_dot}) and returns its result; the ISA is validated against
+// the CPU (cpu::checked_isa) and the BF16 choice resolved (cpu::resolved_bf16_dot) once, here.
 template <class F>
 decltype(auto) dispatch(const Context& ctx, F&& f) {
-  switch (checked_isa(ctx.isa)) {
+  const Isa isa = checked_isa(ctx.isa);
+  const Bf16Dot b = resolved_bf16_dot(ctx.bf16_dot);
+  switch (isa) {
 #if TILEDECODE_X86
     case Isa::avx512:
-      return f(Cpu<Isa::avx512>{ctx.exec});
+      return f(Cpu<Isa::avx512>{ctx.exec, b});
     case Isa::avx2_vnni:
-      return f(Cpu<Isa::avx2_vnni>{ctx.exec});
+      return f(Cpu<Isa::avx2_vnni>{ctx.exec, b});
     case Isa::avx2:
-      return f(Cpu<Isa::avx2>{ctx.exec});
+      return f(Cpu<Isa::avx2>{ctx.exec, b});
 #endif
     default:
-      return f(Cpu<Isa::scalar>{ctx.exec});
+      return f(Cpu<Isa::scalar>{ctx.exec, b});
   }
 }
 

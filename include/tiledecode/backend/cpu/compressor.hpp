@@ -132,9 +132,23 @@ struct backend_ops_compressor {
       float* out = ws.proj + (gate ? OUT : 0) + r0;
       const bf16* wr = m.data() + r0 * m.stride(0);
 #if TILEDECODE_X86
-      // avx512, more than 8 tokens: the same bits on 512-bit FMA, the weights widened once per
-      // 96 tokens instead of once per 4 (bf16_rows_avx512.hpp; T = 128: 2.1x, T = 512: 2.7x).
+      // avx512 with Bf16Dot::dpbf16 (automatic on AMD: vdpbf16ps at twice the FMA rate there):
+      // the o-proj wo_a kernels on the BF16 x_n, their own summation order, one bits for any T
+      // (docs/compressors.md). With Bf16Dot::fma, more than 8 tokens: the avx2 bits on 512-bit
+      // FMA, the weights widened once per 96 tokens instead of once per 4 (bf16_rows_avx512.hpp;
+      // T = 128: 2.1x, T = 512: 2.7x).
       if constexpr (I == Isa::avx512) {
+        if (be.bf16_dot == Bf16Dot::dpbf16) {  // vdpbf16ps on the BF16 x_n (isa.hpp, Bf16Dot)
+          const bf16* xb = a.x_n.data();
+          if (T >= avx512::kBf16BlockedMinTokens) {
+            avx512::bf16_rows_dot_blocked<false>(out, SW, xb, a.x_n.stride(0), T, wr, m.stride(0),
+                                                 n, D);
+          } else {
+            avx512::bf16_rows_dot<false>(out, SW, xb, a.x_n.stride(0), T, wr, m.stride(0), n, D,
+                                         OUT - r0);
+          }
+          return;
+        }
         if (T >= avx512::bf16_rows_fma_detail::kFmaMinTokens) {
           avx512::bf16_rows_dot_fma<false>(out, SW, ws.x32, D, T, wr, m.stride(0), n, D, OUT - r0);
           return;

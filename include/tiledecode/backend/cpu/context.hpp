@@ -11,6 +11,9 @@ namespace tiledecode::cpu {
 struct Context {
   Executor* exec = nullptr;  // nullptr: run inline on the calling thread
   Isa isa = Isa::scalar;
+  // The avx512 tier's BF16 row products (isa.hpp, Bf16Dot): automatic takes the faster
+  // instruction of this CPU; pin fma or dpbf16 for the same bits on every machine of the tier.
+  Bf16Dot bf16_dot = Bf16Dot::automatic;
 
   // Runs fn(i) for i in [begin, end) in tasks of `grain` indices on the context's executor.
   template <class F>

@@ -178,6 +178,55 @@ inline std::vector<Isa> supported_isas() {
   return v;
 }
 
+// How the avx512 tier sums products of two BF16 rows where both operands are BF16 already (the
+// compressors' x_n · wkv and x_n · wgate; Context::bf16_dot):
+//   fma        512-bit FP32 FMA in the avx2 tier's order (avx512::bf16_rows_dot_fma): the bits of
+//              every other tier.
+//   dpbf16     vdpbf16ps, the kernels of the o-proj's wo_a (avx512::bf16_rows_dot and
+//              bf16_rows_dot_blocked): the same exact products (BF16 × BF16 is exact in FP32) in
+//              another summation order, within the spec's tolerances (tested against golden and
+//              for rounding rates) and with vdpbf16ps's DAZ / FTZ (docs/security.md).
+//   automatic  dpbf16 where vdpbf16ps retires at least the FP32 FMA FLOP rate
+//              (cpu_bf16_dot_fast), fma elsewhere.
+// Other tiers have no vdpbf16ps and ignore the choice.
+enum class Bf16Dot : std::uint8_t { automatic, fma, dpbf16 };
+
+constexpr std::string_view to_string(Bf16Dot b) {
+  return b == Bf16Dot::fma ? "fma" : b == Bf16Dot::dpbf16 ? "dpbf16" : "automatic";
+}
+
+// True where vdpbf16ps is the faster way to multiply BF16 rows: AMD processors with the avx512
+// tier (Zen 4 and later run it at twice the FP32 FMA FLOP rate: measured on an EPYC Zen 4
+// 232 vs 116 GFLOP/s per core). Intel's AVX512_BF16 parts run it at half the FMA rate
+// (measured on a Sapphire Rapids Xeon: 108 vs 215-240 GFLOP/s), so they keep FMA. The vendor
+// is read from CPUID leaf 0, once (a constant of the machine, like the tier checks).
+inline bool cpu_bf16_dot_fast() {
+#if TILEDECODE_X86 && (defined(__GNUC__) || defined(__clang__))
+  static const bool fast = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!cpu_has_avx512() || !__get_cpuid(0, &a, &b, &c, &d)) return false;
+    return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+  }();
+  return fast;
+#else
+  return false;
+#endif
+}
+
+// The choice a tier runs with (never automatic); throws tiledecode::Error for a value that names
+// no choice.
+inline Bf16Dot resolved_bf16_dot(Bf16Dot requested) {
+  switch (requested) {
+    case Bf16Dot::fma:
+    case Bf16Dot::dpbf16:
+      return requested;
+    case Bf16Dot::automatic:
+      return cpu_bf16_dot_fast() ? Bf16Dot::dpbf16 : Bf16Dot::fma;
+  }
+  throw Error("cpu::Context: argument 'bf16_dot' = " + std::to_string(static_cast<int>(requested)) +
+              " is not a choice; allowed automatic, fma, dpbf16");
+}
+
 // Validates an explicitly requested ISA (tests force every path).
 inline Isa checked_isa(Isa requested) {
   if (!cpu_supports(requested)) {
