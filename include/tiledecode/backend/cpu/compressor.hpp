@@ -117,11 +117,15 @@ struct backend_ops_compressor {
     const ModelConfig& cfg = *a.cfg;
     const Ws ws = ws_of(a);
     const index_t T = a.tokens(), D = cfg.hidden, OUT = a.spec.out_dim(), SW = a.spec.state_width();
-    be.tasks(T, [&](std::int64_t t) {
-      const bf16* src = a.x_n.data() + t * a.x_n.stride(0);
-      float* dst = ws.x32 + t * D;
-      for (index_t k = 0; k < D; ++k) dst[k] = src[k].to_float();
-    });
+    // The FP32 copy of x_n for the FMA kernels (the vdpbf16ps ones read the BF16 rows).
+    const bool bf16_rows = I == Isa::avx512 && be.bf16_dot == Bf16Dot::dpbf16;
+    if (!bf16_rows) {
+      be.tasks(T, [&](std::int64_t t) {
+        const bf16* src = a.x_n.data() + t * a.x_n.stride(0);
+        float* dst = ws.x32 + t * D;
+        for (index_t k = 0; k < D; ++k) dst[k] = src[k].to_float();
+      });
+    }
     // Tasks of RB rows of wkv, then of wgate: the split depends on the shape only.
     constexpr index_t RB = kCompressorRowBlock;
     const index_t per = (OUT + RB - 1) / RB;
@@ -138,7 +142,7 @@ struct backend_ops_compressor {
       // FMA, the weights widened once per 96 tokens instead of once per 4 (bf16_rows_avx512.hpp;
       // T = 128: 2.1x, T = 512: 2.7x).
       if constexpr (I == Isa::avx512) {
-        if (be.bf16_dot == Bf16Dot::dpbf16) {  // vdpbf16ps on the BF16 x_n (isa.hpp, Bf16Dot)
+        if (bf16_rows) {  // vdpbf16ps on the BF16 x_n (isa.hpp, Bf16Dot)
           const bf16* xb = a.x_n.data();
           if (T >= avx512::kBf16BlockedMinTokens) {
             avx512::bf16_rows_dot_blocked<false>(out, SW, xb, a.x_n.stride(0), T, wr, m.stride(0),

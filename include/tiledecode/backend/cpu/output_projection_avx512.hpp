@@ -1,7 +1,8 @@
 #pragma once
 // The output projection's INT8 stage (wo_b) on the AVX-512 tier (Isa::avx512): the 512-bit
-// vpdpbusd tile. Exact INT32 like the avx2 and avx2_vnni tiles, so outputs are bit-identical to
-// those tiers'. The wo_a stage runs the AVX2 kernel on this tier. Reached only through
+// vpdpbusd tiles (2 rows × 4 tokens for small batches, 4 × 6 blocked for many tokens). Exact
+// INT32 like the avx2 and avx2_vnni tiles, so outputs are bit-identical to those tiers'. The
+// wo_a stage runs on vdpbf16ps (bf16_rows_avx512.hpp). Reached only through
 // backend/cpu/output_projection.hpp after the runtime ISA check.
 
 #include <cstdint>
@@ -48,6 +49,18 @@ TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline void oproj_b_step
   }
 }
 
+// All of a tile's steps over kr bytes: whole 64-byte steps, then (kHalfStep: kr % 64 == 32) the
+// masked half step. The caller picks kHalfStep from kr once per tile shape, so a tile without a
+// half step has no tail code, before which GCC parks the accumulators on the stack.
+template <int NC, int NT, bool kPrefetchNext, bool kHalfStep>
+TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline void oproj_b_steps(
+    __m512i (&acc)[NT][NC], const std::int8_t* a, std::int64_t lda, const std::int8_t* w,
+    std::int64_t ldw, int kr) {
+  int r = 0;
+  for (; r + 64 <= kr; r += 64) oproj_b_step<NC, NT, kPrefetchNext, false>(acc, a, lda, w, ldw, r);
+  if constexpr (kHalfStep) oproj_b_step<NC, NT, kPrefetchNext, true>(acc, a, lda, w, ldw, r);
+}
+
 // avx2_vnni::oproj_b_tile's contract on 64-byte steps:
 //   p[t * ldp + c] = Σ_{r < kr} a[t * lda + r] · w[c * ldw + r]   (exact INT32), t < NT, c < 2,
 // with the weight offset to u8 (w + 128) and a_sum[t * ld_sum] = Σ_{r < kr} a[t * lda + r]
@@ -55,16 +68,14 @@ TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline void oproj_b_step
 // through a zeroing mask. Exact: a lane sums kr / 16 products of magnitude <= 255·128 and the
 // caller bounds kr <= 65536. The reduction folds each register to 8 lanes (integer sums: any
 // order gives the same result) and then reduces as the 256-bit tile does.
-template <int NT>
+template <int NT, bool kHalfStep>
 TILEDECODE_TARGET_AVX512 inline void oproj_b_tile(std::int32_t* p, std::int64_t ldp,
                                                   const std::int8_t* a, std::int64_t lda,
                                                   const std::int8_t* w, std::int64_t ldw, int kr,
                                                   const std::int32_t* a_sum, std::int64_t ld_sum) {
   __m512i acc[NT][2];
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
-  int r = 0;
-  for (; r + 64 <= kr; r += 64) oproj_b_step<2, NT, true, false>(acc, a, lda, w, ldw, r);
-  if (r < kr) oproj_b_step<2, NT, true, true>(acc, a, lda, w, ldw, r);
+  oproj_b_steps<2, NT, true, kHalfStep>(acc, a, lda, w, ldw, kr);
   if constexpr (NT == 4) {
     if (ldp == 2) {  // p is 8 consecutive int32 (t-major, c-minor): one reduction, one store
       const __m256i v[8] = {fold_epi32(acc[0][0]), fold_epi32(acc[0][1]), fold_epi32(acc[1][0]),
@@ -91,7 +102,13 @@ TILEDECODE_TARGET_AVX512 inline void oproj_b_pair(std::int32_t* p, std::int64_t 
                                                   const std::int8_t* w, std::int64_t ldw, int kr,
                                                   const std::int32_t* a_sum, std::int64_t ld_sum) {
   const auto tile = [&]<int NT>(int t) {
-    oproj_b_tile<NT>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr, a_sum + t * ld_sum, ld_sum);
+    if (kr % 64 == 0) {
+      oproj_b_tile<NT, false>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr, a_sum + t * ld_sum,
+                              ld_sum);
+    } else {
+      oproj_b_tile<NT, true>(p + t * ldp, ldp, a + t * lda, lda, w, ldw, kr, a_sum + t * ld_sum,
+                             ld_sum);
+    }
   };
   int t = 0;
   for (; t + 4 <= nt; t += 4) tile.template operator()<4>(t);
@@ -108,7 +125,8 @@ TILEDECODE_TARGET_AVX512 inline void oproj_b_pair(std::int32_t* p, std::int64_t 
 inline constexpr int kOprojBRows = 4;          // weight rows (output channels) per tile
 inline constexpr int kOprojBTileTokens = 6;    // tokens per tile
 inline constexpr int kOprojBChunkTokens = 64;  // tokens per chunk of FP32 group sums
-// project_b takes oproj_b_rows from this many tokens (the same bits: P_g is exact).
+// project_b takes project_b_blocked (oproj_b_group) from this many tokens (the same bits: P_g is
+// exact).
 inline constexpr std::int64_t kOprojBBlockedMinTokens = 16;
 
 // One group's dequantised sums of output channels [0, NC) (weight rows w + c·ldw) for NT tokens,
@@ -126,11 +144,7 @@ TILEDECODE_TARGET_AVX512 inline void oproj_b_tile_rows(
   __m512i c[NT][NC];
   for (int t = 0; t < NT; ++t)
     for (int n = 0; n < NC; ++n) c[t][n] = _mm512_setzero_si512();
-  // kHalfStep (kr % 64 == 32) is the caller's: without it there is no tail code, before which
-  // GCC would park the 24 accumulators on the stack.
-  int r = 0;
-  for (; r + 64 <= kr; r += 64) oproj_b_step<NC, NT, false, false>(c, a, lda, w, ldw, r);
-  if constexpr (kHalfStep) oproj_b_step<NC, NT, false, true>(c, a, lda, w, ldw, r);
+  oproj_b_steps<NC, NT, false, kHalfStep>(c, a, lda, w, ldw, kr);
   // Eight folded accumulators per horizontal sum (integer sums: any order, the same result). The
   // loops are unrolled whole so that c stays in registers.
   constexpr int n = NT * NC, n8 = (n + 7) / 8 * 8;
