@@ -8,7 +8,8 @@
 // the load. The output projection's INT8 ceiling is the best exact s8 × s8 loop of the machine
 // (tdbench::int8_machine_gops<true>(): the AVX2 mixes, 256-bit vpdpbusd where the CPU has
 // AVX-VNNI, 512-bit where it has AVX-512), whatever tier ran, and the FMA ceiling the better of
-// the 256- and 512-bit loops; oproj_flash_avx2 forces the avx2 tier on a VNNI machine (A/B). The
+// the 256- and 512-bit loops; oproj_flash_avx2 forces the avx2 tier on a VNNI machine and
+// sparse_attn_csa_avx2 on an AVX-512 one (A/B against the 16-lane attention tiles). The
 // `ceilings` row's label names the loops that set them.
 //   sparse attention: FLOP = Σ_t valid_cols(t) · H · 512 · 4 (QKᵀ and PV, 2 FLOP per FMA lane);
 //     pct_of_ceiling      = (FLOP / kernel CPU-s) ÷ cpu_fma_gflops          (per busy core)
@@ -112,14 +113,14 @@ std::map<std::string, std::unique_ptr<AttnProblem>>& attn_cache() {
 }
 
 void bm_sparse_attn(benchmark::State& state, td::ModelConfig cfg, LayerKind kind, int batch,
-                    int threads) {
+                    int threads, td::cpu::Isa isa) {
   auto& slot = attn_cache()[std::string(cfg.name) + std::string(td::to_string(kind)) +
                             std::to_string(batch)];
   if (!slot) slot = std::make_unique<AttnProblem>(cfg, kind, batch);
   AttnProblem& p = *slot;
   std::unique_ptr<td::ThreadPool> pool;
   if (threads > 1) pool = std::make_unique<td::ThreadPool>(threads);
-  const td::cpu::Context ctx{pool.get(), td::cpu::detect_isa()};
+  const td::cpu::Context ctx{pool.get(), isa};
   std::vector<std::byte> ws(td::kernels::sparse_attention_workspace_bytes(cfg, threads));
   double secs = 0, cpu = 0;
   for (auto _ : state) {
@@ -258,10 +259,20 @@ const int kRegistered = [] {
         if (c.cfg.name == "pro" && batch > 16) continue;
         const std::string name = std::string(c.name) + "/B:" + std::to_string(batch) +
                                  "/S:2/threads:" + std::to_string(threads);
-        benchmark::RegisterBenchmark(name.c_str(), bm_sparse_attn, c.cfg, c.kind, batch, threads)
+        benchmark::RegisterBenchmark(name.c_str(), bm_sparse_attn, c.cfg, c.kind, batch, threads,
+                                     td::cpu::detect_isa())
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
       }
+  // The avx512 tier's 16-lane attention tiles against the AVX2 ones (same bits), in one process.
+  if (td::cpu::detect_isa() == td::cpu::Isa::avx512)
+    for (int batch : {4, 64}) {
+      const std::string name = "sparse_attn_csa_avx2/B:" + std::to_string(batch) + "/S:2/threads:1";
+      benchmark::RegisterBenchmark(name.c_str(), bm_sparse_attn, td::flash_config(), LayerKind::csa,
+                                   batch, 1, td::cpu::Isa::avx2)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
   // B = 64 at S = 2 and S = 8: T = 128 and the serving tree's T = 512.
   for (auto [batch, seq] : {std::pair{4, 2}, std::pair{64, 2}, std::pair{64, 8}})
     for (int threads : {1, 2}) {

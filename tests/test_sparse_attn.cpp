@@ -1,5 +1,6 @@
-// Sparse attention core (spec §8.1–§8.4): kernels::sparse_attention (scalar and AVX2) against
-// golden::sparse_attention, for SWA, CSA and HCA, flash and pro presets.
+// Sparse attention core (spec §8.1–§8.4): kernels::sparse_attention (scalar, AVX2 and AVX-512)
+// against golden::sparse_attention, for SWA, CSA and HCA, flash and pro presets; the AVX-512
+// micro-kernels bit for bit against the AVX2 ones (the tiers' contract).
 //
 // Tolerances: o_packed (before the projection) is checked 5x stricter than the spec's attn_out
 // rule: ratio_allclose(1e-5, 1/128, 0.1%) and >= 99% of points bit-identical to golden. (The
@@ -24,6 +25,7 @@
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/backend/cpu/output_projection.hpp"
 #include "tiledecode/backend/cpu/sparse_attention.hpp"
+#include "tiledecode/backend/cpu/sparse_attention_avx512.hpp"
 #include "tiledecode/golden/output_projection.hpp"
 #include "tiledecode/golden/sparse_attention.hpp"
 #include "tiledecode/paged/metadata.hpp"
@@ -50,6 +52,7 @@ std::vector<td::cpu::Isa> isas() {
   // VNNI paths), so it is not run twice here; test_layer covers every tier end to end.
   std::vector<td::cpu::Isa> v{td::cpu::Isa::scalar};
   if (td::cpu::cpu_has_avx2()) v.push_back(td::cpu::Isa::avx2);
+  if (td::cpu::cpu_has_avx512()) v.push_back(td::cpu::Isa::avx512);
   return v;
 }
 
@@ -333,6 +336,94 @@ TEST(SparseAttn, BitIdenticalFor1And2And7Threads) {
     }
   }
 }
+
+// The avx512 tier's kernel output equals the avx2 tier's, byte for byte, on every family and
+// preset (its micro-kernels run the AVX2 lanes' operations in the same order).
+TEST(SparseAttn, Avx512TierBitIdenticalToAvx2) {
+  if (!td::cpu::cpu_has_avx512()) GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  const Problem problems[] = {
+      {td::flash_config(), LayerKind::swa, {8192, 127, 31, 8192}, 2, 0.0f, 21},
+      {td::flash_config(), LayerKind::hca, {8192, 127, 128, 255}, 2, 0.0f, 22},
+      {td::flash_config(), LayerKind::csa, {8192, 0, 2, 3}, 2, 4.0f, 23},
+      {td::pro_config(), LayerKind::csa, {8192, 3}, 2, 4.0f, 24},
+  };
+  for (const auto& p : problems) {
+    const auto a = p.kernel(td::cpu::Isa::avx2), b = p.kernel(td::cpu::Isa::avx512);
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)))
+        << td::to_string(p.kind) << ", " << p.cfg.n_heads << " heads";
+  }
+}
+
+#if TILEDECODE_X86
+// The avx512 micro-kernels against the avx2 ones, byte for byte, at the shapes the kernel never
+// reaches with the presets (their 64-head items and 512 dims take only the widest tiles): head
+// counts 8..64 in steps of 8 (64-, 32-, 16-head tiles and the 8-head AVX2 remainder; 1–6-head pv
+// tiles), every column tail of the 6-column qk tile, dims 80 (a 64-dim pv strip and a 16-dim
+// one) and 512, scores with -Inf and kMaskNeg floors, first and later blocks of the merge.
+TEST(SparseAttn, Avx512MicroKernelsBitIdenticalToAvx2) {
+  if (!td::cpu::cpu_has_avx512()) GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  namespace a2 = td::cpu::avx2;
+  namespace a5 = td::cpu::avx512;
+  constexpr int kMaxCols = 128, kHeads = 64, kDim = 512, kLdk = kDim + 16;
+  // 64-byte aligned buffers (the micro-kernels' operand contract).
+  struct Buf {
+    std::vector<float> v;
+    float* p;
+    explicit Buf(std::size_t n) : v(n + 16) {
+      p = v.data() + (16 - (reinterpret_cast<std::uintptr_t>(v.data()) / 4) % 16) % 16;
+    }
+  };
+  tdtest::Rng rng(77);
+  std::vector<bf16> kv_bf(std::size_t(kMaxCols) * kDim);
+  rng.fill_uniform(std::span<bf16>(kv_bf), -0.5f, 0.5f);
+  std::vector<const bf16*> rows(kMaxCols);
+  for (int j = 0; j < kMaxCols; ++j) rows[j] = kv_bf.data() + std::size_t(j) * kDim;
+  Buf kf2(std::size_t(kMaxCols) * kLdk), kf5(std::size_t(kMaxCols) * kLdk);
+  Buf qt(std::size_t(kDim) * kHeads);
+  rng.fill_uniform(std::span<float>(qt.p, std::size_t(kDim) * kHeads), -4.0f, 4.0f);
+  Buf s2(std::size_t(kMaxCols) * kHeads), s5(std::size_t(kMaxCols) * kHeads);
+  Buf o2(std::size_t(kHeads) * kDim), o5(std::size_t(kHeads) * kDim);
+  std::vector<float> alpha(kHeads), gamma(kHeads), mb2(kHeads), lb2(kHeads), mb5(kHeads),
+      lb5(kHeads);
+  for (int h = 0; h < kHeads; ++h) alpha[h] = rng.uniform(), gamma[h] = rng.uniform();
+  const auto same = [](const float* x, const float* y, std::size_t n) {
+    return std::memcmp(x, y, n * sizeof(float)) == 0;
+  };
+  int cases = 0;
+  for (int dim : {80, 512})
+    for (int nh = 8; nh <= kHeads; nh += 8)
+      for (int nc : {1, 2, 3, 4, 5, 6, 7, 13, 64, 127, 128}) {
+        SCOPED_TRACE(testing::Message() << "dim " << dim << ", heads " << nh << ", cols " << nc);
+        a2::sa_load_rows(kf2.p, kLdk, rows.data(), nc, dim);
+        a5::sa_load_rows(kf5.p, kLdk, rows.data(), nc, dim);
+        for (int j = 0; j < nc; ++j)
+          ASSERT_TRUE(same(kf2.p + j * kLdk, kf5.p + j * kLdk, std::size_t(dim)));
+        a2::sa_qk(s2.p, kHeads, qt.p, kHeads, nh, kf2.p, kLdk, nc, dim, 0.0441941738f);
+        a5::sa_qk(s5.p, kHeads, qt.p, kHeads, nh, kf2.p, kLdk, nc, dim, 0.0441941738f);
+        for (int j = 0; j < nc; ++j) ASSERT_TRUE(same(s2.p + j * kHeads, s5.p + j * kHeads, nh));
+        // Masked-out and -Inf scores in some heads, then the softmax with either floor.
+        s2.p[(nc - 1) * kHeads + nh - 1] = s5.p[(nc - 1) * kHeads + nh - 1] = -INFINITY;
+        s2.p[nh / 2] = s5.p[nh / 2] = -1e30f;
+        const float floor = nc < kMaxCols ? td::kMaskNeg : -INFINITY;
+        a2::sa_softmax_block(s2.p, kHeads, nh, nc, floor, mb2.data(), lb2.data());
+        a5::sa_softmax_block(s5.p, kHeads, nh, nc, floor, mb5.data(), lb5.data());
+        ASSERT_TRUE(same(mb2.data(), mb5.data(), nh));
+        ASSERT_TRUE(same(lb2.data(), lb5.data(), nh));
+        for (int j = 0; j < nc; ++j) ASSERT_TRUE(same(s2.p + j * kHeads, s5.p + j * kHeads, nh));
+        for (bool first : {true, false}) {
+          rng.fill_uniform(std::span<float>(o2.p, std::size_t(nh) * dim), -1.0f, 1.0f);
+          std::memcpy(o5.p, o2.p, std::size_t(nh) * dim * sizeof(float));
+          a2::sa_pv_merge(o2.p, dim, s2.p, kHeads, nh, kf2.p, kLdk, nc, dim, alpha.data(),
+                          gamma.data(), first);
+          a5::sa_pv_merge(o5.p, dim, s2.p, kHeads, nh, kf2.p, kLdk, nc, dim, alpha.data(),
+                          gamma.data(), first);
+          ASSERT_TRUE(same(o2.p, o5.p, std::size_t(nh) * dim)) << (first ? "first" : "later");
+        }
+        ++cases;
+      }
+  EXPECT_EQ(cases, 2 * 8 * 11);
+}
+#endif  // TILEDECODE_X86
 
 TEST(SparseAttn, ProPresetCsa1152Columns) {
   const Problem p(td::pro_config(), LayerKind::csa, {8192, 3}, 2, 4.0f, 15);

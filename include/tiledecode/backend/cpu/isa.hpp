@@ -23,10 +23,13 @@
 //              output projection's wo_a runs on vdpbf16ps (BF16 × BF16 pairs, FP32 lanes, twice
 //              the FP32 FMA rate on Zen 4; bf16_rows_avx512.hpp): its own summation order, so
 //              the output projection matches golden within tolerance but not avx2 bit for bit,
-//              and subnormal inputs count as zero there (docs/security.md). The other
-//              floating-point kernels (sparse attention, the compressors, hc_pre/hc_post, the
-//              BF16 q/kv projections) run the AVX2 micro-kernels on this tier for now, so every
-//              other output equals the avx2 tier's bit for bit.
+//              and subnormal inputs count as zero there (docs/security.md). Sparse attention runs
+//              16-lane twins of the AVX2 tiles (sparse_attention_avx512.hpp) and the BF16 q/kv
+//              matmuls a token-blocked 512-bit FMA kernel, both in the AVX2 lanes' order; the
+//              compressors' projections run 512-bit FMA in that order too, or vdpbf16ps where
+//              Context::bf16_dot resolves to dpbf16 (below); hc_pre/hc_post run the AVX2
+//              micro-kernels. Outside wo_a and the dpbf16 compressors every output equals the
+//              avx2 tier's bit for bit.
 // Kernels test `has_avx2(isa)` for the AVX2 code, and `isa == Isa::avx2_vnni` /
 // `isa == Isa::avx512` only where a kernel for that tier exists (`has_vnni(isa)`: either).
 

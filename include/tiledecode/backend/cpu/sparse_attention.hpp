@@ -15,7 +15,8 @@
 // Parallelism: T·ceil(H/64) items (B=4, S=2: 8 flash, 16 pro) over min(items, slots) tasks.
 //
 // Tiers: Cpu<scalar> runs the plain twins below (same operations, same order as the AVX2
-// micro-kernels: the tiers are bit-identical); avx2 and avx2_vnni run the AVX2 micro-kernels.
+// micro-kernels: the tiers are bit-identical); avx2 and avx2_vnni run the AVX2 micro-kernels,
+// avx512 their 16-lane twins (sparse_attention_avx512.hpp: the same bits).
 
 #include <algorithm>
 #include <cmath>
@@ -28,6 +29,7 @@
 
 #include "tiledecode/backend/cpu/backend.hpp"
 #include "tiledecode/backend/cpu/sparse_attention_avx2.hpp"
+#include "tiledecode/backend/cpu/sparse_attention_avx512.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/kernels/sparse_attention.hpp"
 
@@ -138,16 +140,33 @@ struct Avx2Ops {
     avx2::sa_pv_merge(o, ldo, p, ldp, nh, kf, ldk, nc, dim, alpha, gamma, first);
   }
 };
-#endif
+
+// The avx512 tier's primitives (backend/cpu/sparse_attention_avx512.hpp): the AVX2 contract and
+// bits on 16-lane vectors, except load_q_transposed and divide_round (under 2 % of the kernel).
+struct Avx512Ops : Avx2Ops {
+  static void load_rows(float* kf, int ldk, const bf16* const* rows, int n, int dim) {
+    avx512::sa_load_rows(kf, ldk, rows, n, dim);
+  }
+  static void qk(float* s, int lds, const float* q, int ldq, int nh, const float* kf, int ldk,
+                 int nc, int dim, float scale) {
+    avx512::sa_qk(s, lds, q, ldq, nh, kf, ldk, nc, dim, scale);
+  }
+  static void softmax_block(float* s, int lds, int nh, int nc, float floor, float* mb, float* lb) {
+    avx512::sa_softmax_block(s, lds, nh, nc, floor, mb, lb);
+  }
+  static void pv_merge(float* o, int ldo, const float* p, int ldp, int nh, const float* kf, int ldk,
+                       int nc, int dim, const float* alpha, const float* gamma, bool first) {
+    avx512::sa_pv_merge(o, ldo, p, ldp, nh, kf, ldk, nc, dim, alpha, gamma, first);
+  }
+};
 
 template <Isa I>
-using MicroOps = std::conditional_t<has_avx2(I) && TILEDECODE_X86,
-#if TILEDECODE_X86
-                                    Avx2Ops,
+using MicroOps = std::conditional_t<I == Isa::avx512, Avx512Ops,
+                                    std::conditional_t<has_avx2(I), Avx2Ops, ScalarOps>>;
 #else
-                                    ScalarOps,
+template <Isa>
+using MicroOps = ScalarOps;
 #endif
-                                    ScalarOps>;
 
 // One workspace slot: the item's FP32 K block, transposed queries, scores/probabilities, O
 // accumulator and softmax statistics, plus the (double-buffered) row lists of its blocks.
