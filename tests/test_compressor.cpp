@@ -589,15 +589,15 @@ TEST(CompressorTiers, Avx512Bf16DotMatchesGolden) {
 }
 
 // vdpbf16ps rows: bf16_rows_dot_blocked (from kBf16BlockedMinTokens tokens) against
-// bf16_rows_dot, every output bit, for token counts around the 6-token tiles and 64-token chunks,
-// row counts around the 4-row blocks, reductions with a partial last block of 1024 and shorter
+// bf16_rows_dot, every output bit, for token counts around the 4-token tiles and 64-token chunks,
+// row counts around the 6-row blocks, reductions with a partial last block of 1024 and shorter
 // than one, both = and +=: a request's projection does not depend on its batch.
 TEST(CompressorTiers, Avx512Bf16RowsBlockedBitIdentical) {
   if (!td::cpu::cpu_supports(td::cpu::Isa::avx512))
     GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
   tdtest::Rng rng(92);
   for (index_t d : {4096, 1050, 32})
-    for (index_t rows : {13, 4, 1})
+    for (index_t rows : {13, 6, 4, 1})
       for (index_t T : {16, 17, 64, 71, 130}) {
         std::vector<bf16> x(std::size_t(T * d)), w(std::size_t(rows * d));
         for (auto& v : x) v = bf16(rng.normal());

@@ -131,16 +131,19 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot(float* out, index_t ld_out, c
 // bf16_rows_dot_blocked: bf16_rows_dot's contract and bits (every lane adds the same products in
 // the same order, the double lanes are summed alike) for many tokens, blocked for the caches:
 // per chunk of kBlockedChunkTokens tokens (their x rows, 64 × 8 KB at d = 4096, stay in L2), per
-// block of kBlockedRows rows (the chunk's double lanes for them: 64 × 4 × 16 × 8 B = 32 KB of
-// stack), per k-block of kBf16DotBlock (the rows' 4 × 2 KB segment stays in L1 while every
-// token tile of the chunk runs it), register tiles of 4 rows × 6 tokens (24 accumulators; per
-// 32 k: 4 weight loads from L1, 6 activation loads from L2, 24 vdpbf16ps). Each weight row is
+// block of kBlockedRows rows (the chunk's double lanes for them: 64 × 6 × 16 × 8 B = 48 KB of
+// stack), per k-block of kBf16DotBlock (the rows' 6 × 2 KB segment stays in L1 while every
+// token tile of the chunk runs it), register tiles of 6 rows × 4 tokens (24 accumulators; per
+// 32 k: 6 weight loads from L1, 4 activation loads from L2, 24 vdpbf16ps). Each weight row is
 // read from memory once per chunk; bf16_rows_dot's 3 × 4 tiles over whole rows stream both
-// operands from L2 and at 128 tokens reach 40 % of the vdpbf16ps ceiling.
+// operands from L2 and at 128 tokens reach 40 % of the vdpbf16ps ceiling. The tile's shape is the
+// faster of those measured on Zen 5 (interleaved, CSA compressor T = 128 / 512, one thread):
+// 6 × 4 7.7–8.1 / 32.8–37.4 ms, 4 × 6 9.0–10.6 / 36.7–41.9 ms (fewer loads from L2 per
+// vdpbf16ps); 5 × 5 and chunks of 32, 96 or 128 tokens were slower, 8 × 3 spills.
 namespace bf16_rows_blocked_detail {
 
-inline constexpr int kBlockedRows = 4;          // rows per register tile and L1 weight block
-inline constexpr int kBlockedTileTokens = 6;    // tokens per register tile
+inline constexpr int kBlockedRows = 6;          // rows per register tile and L1 weight block
+inline constexpr int kBlockedTileTokens = 4;    // tokens per register tile
 inline constexpr int kBlockedChunkTokens = 64;  // tokens per chunk of double lanes
 
 }  // namespace bf16_rows_blocked_detail

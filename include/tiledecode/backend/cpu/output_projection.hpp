@@ -17,7 +17,7 @@
 // (wo_b, INT8) against 2·T operations per weight element; see docs/sparse_attention.md.
 // From 16 tokens the avx512 tier blocks both stages for the caches with the same bits (batch
 // invariance: tests/test_oproj.cpp LargeBatchBitIdenticalToSmallBatches): wo_a on
-// avx512::bf16_rows_dot_blocked (4 weight rows in L1 × 6-token tiles over chunks of 64 tokens),
+// avx512::bf16_rows_dot_blocked (6 weight rows in L1 × 4-token tiles over chunks of 64 tokens),
 // wo_b on project_b_blocked (4 channels of one group in L1 × 6-token tiles, the groups in order).
 // B = 64, S = 2 (T = 128), one thread, Zen 4 (bench_sparse_attn): 154-178 -> 84 ms (37 -> 68 %
 // of the machine's BF16 and INT8 ceilings); B = 4 unchanged (10-12 ms, memory bound).
