@@ -23,8 +23,11 @@
 # SapphireRapids as the ISA allows; a short 1-thread sgemm probe per core, each in a child
 # process, ~2 s each) and re-executes itself with the fastest exported; the log, the JSON
 # (peer.blas_core, peer.blas_cores_measured) and the report name it and list every core with
-# its GFLOP/s. OPENBLAS_CORETYPE set in the environment, or --blas-core NAME|detected, skips the
-# probe.
+# its GFLOP/s. --blas-core NAME|detected skips the probe. An OPENBLAS_CORETYPE (or
+# OPENBLAS_L2_SIZE) inherited from the environment is dropped, with a message: one such session
+# environment held OPENBLAS_CORETYPE=Haswell on an AVX-512 Zen 5, where the probe's SkylakeX
+# core is 1.4x faster (116 vs 82 GFLOP/s geomean, 1.9x at 512 token rows), so the peer would have
+# run below its best. PEER_KEEP_BLAS_ENV=1 keeps them (the binary then skips the probe and says so).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 PEER_BUILD_DIR="${PEER_BUILD_DIR:-$ROOT/build-peer}"
@@ -76,6 +79,14 @@ export GOMP_SPINCOUNT="${GOMP_SPINCOUNT:-10000}"
 # 16 KB stride, a TLB miss per row. An engine gets huge pages from THP=always or its allocator;
 # TileDecode's own buffers of 2 MiB and more request them (Buffer).
 export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}"
+if [ "${PEER_KEEP_BLAS_ENV:-0}" != 1 ]; then
+  for var in OPENBLAS_CORETYPE OPENBLAS_L2_SIZE; do
+    if [ -n "${!var+x}" ]; then
+      echo "== dropping $var=${!var} inherited from the environment (PEER_KEEP_BLAS_ENV=1 keeps it)"
+      unset "$var"
+    fi
+  done
+fi
 "$PEER_BUILD_DIR/bench/peer/peer_compare" --json "$OUT_JSON" "$@" | tee "${OUT_JSON%.json}.log"
 
 notes=()
