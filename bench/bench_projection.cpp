@@ -40,6 +40,7 @@ struct QkvProblem {
   std::vector<td::Tensor<bf16, 2>> wq_a, wkv;
   std::vector<td::Tensor<std::int8_t, 2>> wq_b;
   std::vector<td::QkvPackedWqB> wq_b_packed;  // the load-time copy, where the CPU has a VNNI tier
+  std::vector<td::QkvBf16Rows> bf16_rows;     // wq_a | wkv transposed, where dpbf16 is automatic
   td::Tensor<bf16, 1> gamma_cq, gamma_ckv;
   td::Tensor<float, 1> wq_b_scale;
   td::Tensor<bf16, 2> x, kv;
@@ -68,6 +69,8 @@ struct QkvProblem {
         b.data()[i] = std::int8_t(int((i * 7 + k) % 255) - 127);
       if (td::cpu::has_vnni(td::cpu::detect_isa()))
         wq_b_packed.push_back(td::kernels::pack_qkv_wq_b(cfg, b.view()));
+      if (td::kernels::qkv_bf16_rows_useful())
+        bf16_rows.push_back(td::kernels::pack_qkv_bf16_rows(cfg, a.view(), v.view()));
     }
     gamma_cq = td::Tensor<bf16, 1>({QL});
     gamma_ckv = td::Tensor<bf16, 1>({HD});
@@ -96,22 +99,25 @@ struct QkvProblem {
                            wq_b_scale.view(),
                            wkv[k].view(),
                            gamma_ckv.view(),
-                           packed && !wq_b_packed.empty() ? &wq_b_packed[k] : nullptr};
+                           packed && !wq_b_packed.empty() ? &wq_b_packed[k] : nullptr,
+                           packed && !bf16_rows.empty() ? &bf16_rows[k] : nullptr};
     td::kernels::qkv_projection(ctx, q.view(), kv.view(), qr.view(), qr_scale.view(), x.view(), w,
                                 rope.view(), pos.view(),
                                 td::QkvScratch{sx.view(), scq.view(), skv.view(), sqr.view()}, cfg);
   }
 };
 
-// packed: pass the load-time packed wq_b (LayerWeightsStorage::pack does it in the step); the
-// "_unpacked" variant runs the AVX-VNNI tier on the plain wq_b for comparison.
-void bm_qkv(benchmark::State& state, td::ModelConfig cfg, bool packed) {
+// packed: pass the load-time copies (packed wq_b, transposed wq_a | wkv: LayerWeightsStorage::pack
+// makes them in the step); the "_unpacked" variant runs the AVX-VNNI tier on the plain wq_b for
+// comparison, "_fma" pins Bf16Dot::fma (the 512-bit FMA x_n · [wq_a | wkv], every tier's bits)
+// where the automatic choice is vdpbf16ps.
+void bm_qkv(benchmark::State& state, td::ModelConfig cfg, bool packed, td::cpu::Bf16Dot bf16_dot) {
   const index_t T = state.range(0);
   const int threads = int(state.range(1));
   QkvProblem p(cfg, T);
   std::unique_ptr<td::ThreadPool> pool;
   if (threads > 1) pool = std::make_unique<td::ThreadPool>(threads);
-  const td::cpu::Context ctx{pool.get(), td::cpu::detect_isa()};
+  const td::cpu::Context ctx{pool.get(), td::cpu::detect_isa(), bf16_dot};
   int k = 0;
   double cpu = 0;
   for (auto _ : state) {
@@ -156,17 +162,26 @@ void bm_qkv(benchmark::State& state, td::ModelConfig cfg, bool packed) {
 }
 
 const int kRegistered = [] {
-  auto* f = benchmark::RegisterBenchmark("qkv_projection_flash", bm_qkv, td::flash_config(), true);
+  auto* f = benchmark::RegisterBenchmark("qkv_projection_flash", bm_qkv, td::flash_config(), true,
+                                         td::cpu::Bf16Dot::automatic);
   for (int threads : {1, 2})
     // T = B·S: B = 4 .. 32 at S = 2, and the large batches up to B = 256 (S = 2) / 64 (S = 8).
     for (int T : {8, 16, 32, 64, 128, 256, 512}) f->Args({T, threads});
   f->ArgNames({"T", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("qkv_projection_flash_unpacked", bm_qkv, td::flash_config(), false)
+  if (td::kernels::qkv_bf16_rows_useful()) {
+    auto* g = benchmark::RegisterBenchmark("qkv_projection_flash_fma", bm_qkv, td::flash_config(),
+                                           true, td::cpu::Bf16Dot::fma);
+    for (int T : {8, 128, 512}) g->Args({T, 1});
+    g->ArgNames({"T", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
+  }
+  benchmark::RegisterBenchmark("qkv_projection_flash_unpacked", bm_qkv, td::flash_config(), false,
+                               td::cpu::Bf16Dot::automatic)
       ->Args({8, 1})
       ->ArgNames({"T", "threads"})
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("qkv_projection_pro", bm_qkv, td::pro_config(), true)
+  benchmark::RegisterBenchmark("qkv_projection_pro", bm_qkv, td::pro_config(), true,
+                               td::cpu::Bf16Dot::automatic)
       ->Args({8, 1})
       ->ArgNames({"T", "threads"})
       ->UseRealTime()

@@ -378,6 +378,67 @@ TEST(QkvProjection, PackedAvx512MatmulExactOnExtremes) {
 }
 #endif
 
+// The avx512 tier's vdpbf16ps x_n · [wq_a | wkv] (Bf16Dot::dpbf16 with the transposed load-time
+// copy QkvWeights::bf16_rows): another summation order than the other tiers, so held to golden
+// (expect_qkv_close) and to the rounding bars (test_rounding), not to their bits. It must be the
+// path taken (outputs differ from the FMA path's somewhere), give the same bytes for 1, 2 and 7
+// threads, and for a token decoded in any batch: T = 70 (blocked kernel, 4-token tiles and a
+// partial 64-token chunk) against every token alone and batches of 8 and 16 (the small-batch
+// kernel below 16 tokens, the blocked one from there).
+TEST(QkvProjection, Avx512Bf16RowsMatchGoldenAndAreBatchInvariant) {
+  if (!td::cpu::cpu_has_avx512()) GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  const QkvFixture f(td::flash_config(), 70, 37);
+  const td::QkvBf16Rows rows = td::kernels::pack_qkv_bf16_rows(f.cfg, f.wq_a.view(), f.wkv.view());
+  for (index_t k : {index_t(0), index_t(1234), index_t(f.cfg.hidden - 1)})
+    for (index_t n : {index_t(0), index_t(777), index_t(f.cfg.q_lora - 1)})
+      ASSERT_EQ(rows.data[std::size_t(n * f.cfg.hidden + k)].bits, f.wq_a.view()(k, n).bits);
+  ASSERT_EQ(rows.data[std::size_t((f.cfg.q_lora + 5) * f.cfg.hidden + 9)].bits,
+            f.wkv.view()(9, 5).bits);
+  QkvOut g(f.cfg, f.T);
+  td::golden::qkv_projection(g.q.view(), g.kv.view(), g.qr.view(), g.qr_scale.view(), f.x_n.view(),
+                             f.weights(), f.rope.view(), f.pos.view(), f.cfg);
+  const auto ctx = [](td::Executor* e) {
+    return td::cpu::Context{e, td::cpu::Isa::avx512, td::cpu::Bf16Dot::dpbf16};
+  };
+  QkvOut all(f.cfg, f.T), fma(f.cfg, f.T);
+  run_qkv(f, all, ctx(nullptr), nullptr, &rows);
+  expect_qkv_close(all, g);
+  run_qkv(f, fma, td::cpu::Context{nullptr, td::cpu::Isa::avx512, td::cpu::Bf16Dot::fma}, nullptr,
+          &rows);
+  EXPECT_NE(0, std::memcmp(all.kv.data(), fma.kv.data(), all.kv.size() * 2))
+      << "dpbf16 with bf16_rows gave the FMA path's bytes: the rows path did not run";
+  const auto same = [](const QkvOut& a, const QkvOut& b) {
+    return std::memcmp(a.q.data(), b.q.data(), a.q.size() * 2) == 0 &&
+           std::memcmp(a.kv.data(), b.kv.data(), a.kv.size() * 2) == 0 &&
+           std::memcmp(a.qr.data(), b.qr.data(), a.qr.size()) == 0 &&
+           std::memcmp(a.qr_scale.data(), b.qr_scale.data(), a.qr_scale.size() * 4) == 0;
+  };
+  for (std::size_t n : {2, 7}) {
+    td::ThreadPool pool(n);
+    QkvOut o(f.cfg, f.T);
+    run_qkv(f, o, ctx(&pool), nullptr, &rows);
+    EXPECT_TRUE(same(o, all)) << n << " threads";
+  }
+  for (index_t batch : {1, 8, 16}) {
+    QkvOut o(f.cfg, f.T);
+    for (index_t t0 = 0; t0 < f.T; t0 += batch)
+      run_qkv(f, o, ctx(nullptr), nullptr, &rows, t0, std::min(f.T, t0 + batch));
+    EXPECT_TRUE(same(o, all)) << "tokens in batches of " << batch;
+  }
+  // A copy of other dimensions is rejected before anything is written.
+  td::QkvBf16Rows bad = td::kernels::pack_qkv_bf16_rows(f.cfg, f.wq_a.view(), f.wkv.view());
+  bad.hidden -= 1;
+  QkvOut o(f.cfg, f.T);
+  std::memset(static_cast<void*>(o.q.data()), 0x55, o.q.size() * 2);
+  try {
+    run_qkv(f, o, ctx(nullptr), nullptr, &bad);
+    ADD_FAILURE() << "no throw";
+  } catch (const td::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("w.bf16_rows->hidden"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(o.q.data()[0].bits, 0x5555) << "nothing written before the throw";
+}
+
 TEST(QkvProjection, ProShapesMatchGolden) {
   QkvFixture f(td::pro_config(), 4, 33);
   QkvOut g(f.cfg, f.T), o(f.cfg, f.T);

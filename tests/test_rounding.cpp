@@ -176,12 +176,28 @@ TEST(rounding, QkvProjectionQLatentAndKvRoundAsTheExactValues) {
   report("kv BF16 (old order)", "-", old_kv);
   EXPECT_GT(old_kv.rate(), kBf16DotBar) << "the measurement no longer sees the old order's error";
 
-  for (Isa isa : td::cpu::supported_isas()) {
-    const std::string tier(td::cpu::to_string(isa));
+  // Every tier on its FMA order (one bits), and the avx512 tier's vdpbf16ps x_n · [wq_a | wkv]
+  // (Bf16Dot::dpbf16 with the transposed copy QkvWeights::bf16_rows) where it runs.
+  struct Path {
+    Isa isa;
+    td::cpu::Bf16Dot bf16;
+    std::string name;
+  };
+  std::vector<Path> paths;
+  for (Isa isa : td::cpu::supported_isas())
+    paths.push_back({isa, td::cpu::Bf16Dot::fma, std::string(td::cpu::to_string(isa))});
+  td::QkvBf16Rows rows;
+  if (td::cpu::cpu_supports(Isa::avx512)) {
+    rows = td::kernels::pack_qkv_bf16_rows(c, f.wq_a.view(), f.wkv.view());
+    paths.push_back({Isa::avx512, td::cpu::Bf16Dot::dpbf16, "avx512/dpbf16"});
+  }
+  for (const Path& path : paths) {
+    const std::string& tier = path.name;
     SCOPED_TRACE(tier);
     tdtest::QkvOut o(c, f.T);
     td::ThreadPool pool(2);
-    tdtest::run_qkv(f, o, td::cpu::Context{&pool, isa});
+    tdtest::run_qkv(f, o, td::cpu::Context{&pool, path.isa, path.bf16}, nullptr,
+                    path.bf16 == td::cpu::Bf16Dot::dpbf16 ? &rows : nullptr);
     Rate qr, qs, kv, q;
     for (std::size_t i = 0; i < o.qr.size(); ++i) qr.add(o.qr.data()[i] != g.qr.data()[i]);
     for (std::size_t i = 0; i < o.qr_scale.size(); ++i)

@@ -67,16 +67,24 @@ struct QkvOut {
       : q({T, c.n_heads, c.head_dim}), kv({T, c.head_dim}), qr({T, c.q_lora}), qr_scale({T}) {}
 };
 
+// Tokens [t0, t1) of the fixture (t1 < 0: to the end) into the same rows of o, in one call:
+// `packed` and `bf16_rows` are the optional load-time copies of QkvWeights.
 inline void run_qkv(const QkvFixture& f, QkvOut& o, const td::cpu::Context& ctx,
-                    const td::QkvPackedWqB* packed = nullptr) {
+                    const td::QkvPackedWqB* packed = nullptr,
+                    const td::QkvBf16Rows* bf16_rows = nullptr, index_t t0 = 0, index_t t1 = -1) {
   const auto& c = f.cfg;
-  td::Tensor<float, 2> x({f.T, c.hidden}), cq({f.T, c.q_lora}), kvf({f.T, c.head_dim});
-  td::Tensor<std::int32_t, 2> pairs({f.T, c.q_lora / 2});
+  if (t1 < 0) t1 = f.T;
+  const index_t n = t1 - t0;
+  td::Tensor<float, 2> x({n, c.hidden}), cq({n, c.q_lora}), kvf({n, c.head_dim});
+  td::Tensor<std::int32_t, 2> pairs({n, c.q_lora / 2});
   td::QkvWeights w = f.weights();
   w.wq_b_packed = packed;
-  td::kernels::qkv_projection(ctx, o.q.view(), o.kv.view(), o.qr.view(), o.qr_scale.view(),
-                              f.x_n.view(), w, f.rope.view(), f.pos.view(),
-                              {x.view(), cq.view(), kvf.view(), pairs.view()}, c);
+  w.bf16_rows = bf16_rows;
+  td::kernels::qkv_projection(
+      ctx, o.q.view().slice(0, t0, t1), o.kv.view().slice(0, t0, t1), o.qr.view().slice(0, t0, t1),
+      o.qr_scale.view().slice(0, t0, t1), td::ConstView<bf16, 2>(f.x_n.view()).slice(0, t0, t1), w,
+      f.rope.view(), td::ConstView<std::int32_t, 1>(f.pos.view()).slice(0, t0, t1),
+      {x.view(), cq.view(), kvf.view(), pairs.view()}, c);
 }
 
 }  // namespace tdtest

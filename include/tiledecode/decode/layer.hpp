@@ -104,6 +104,11 @@ struct LayerWeightsStorage {
   // integers): a second copy of wq_b (Q_LORA·H·512 bytes, flash 32 MB per layer), not counted in
   // bytes().
   QkvPackedWqB wq_b_packed;
+  // wq_a | wkv transposed for the avx512 tier's vdpbf16ps q/kv projection, filled by pack() where
+  // the automatic BF16 choice resolves to dpbf16 (kernels::qkv_bf16_rows_useful: AMD with
+  // AVX-512): a second copy ((Q_LORA + 512)·D BF16, flash 12 MB per layer), not counted in
+  // bytes(). A step pinned to Bf16Dot::fma ignores it (every tier's bits).
+  QkvBf16Rows qkv_rows;
 
   LayerWeightsStorage() = default;
   LayerWeightsStorage(const ModelConfig& cfg, LayerKind k) : kind(k) {
@@ -153,7 +158,8 @@ struct LayerWeightsStorage {
              wq_b_scale.view(),
              wkv.view(),
              gamma_ckv.view(),
-             wq_b_packed.q_lora > 0 ? &wq_b_packed : nullptr};
+             wq_b_packed.q_lora > 0 ? &wq_b_packed : nullptr,
+             qkv_rows.hidden > 0 ? &qkv_rows : nullptr};
     w.attn_sink = attn_sink.view();
     w.wo_a = wo_a.view();
     w.wo_b = wo_b.view();
@@ -169,10 +175,13 @@ struct LayerWeightsStorage {
   }
 
   // Load-time preparation after the weights are filled: packs wq_b for the VNNI q/kv projection
-  // (only where the CPU has AVX-VNNI or AVX-512) and the indexer query weights (CSA).
+  // (only where the CPU has AVX-VNNI or AVX-512), transposes wq_a | wkv for the vdpbf16ps one
+  // (only where that is the automatic choice) and packs the indexer query weights (CSA).
   void pack(const ModelConfig& cfg) {
     if (cpu::cpu_supports(cpu::Isa::avx2_vnni) || cpu::cpu_supports(cpu::Isa::avx512))
       wq_b_packed = kernels::pack_qkv_wq_b(cfg, wq_b.view());
+    if (kernels::qkv_bf16_rows_useful())
+      qkv_rows = kernels::pack_qkv_bf16_rows(cfg, wq_a.view(), wkv.view());
     if (kind != LayerKind::csa) return;
     idx_packed = kernels::pack_indexer_query_weights(cfg, idx_wq_b.view(), idx_wq_b_scale.view(),
                                                      hadamard.view());

@@ -49,6 +49,20 @@ struct QkvPackedWqB {
   Buffer<std::uint8_t> data;
 };
 
+// wq_a and wkv transposed for the avx512 tier's vdpbf16ps row kernels
+// (kernels::pack_qkv_bf16_rows): row n holds output column n's D weights, k contiguous (rows[n·D +
+// k] = w[k, n]), wq_a's Q_LORA rows then wkv's HEAD_DIM rows. vdpbf16ps multiplies pairs of
+// consecutive k, which the (D, N) layout keeps N apart. Read only by Isa::avx512 with
+// Bf16Dot::dpbf16 (automatic on AMD, where vdpbf16ps retires twice the FP32 FMA rate); a second
+// copy of both matrices (flash: 12 MB per layer), made at load time only where that choice resolves
+// to dpbf16.
+struct QkvBf16Rows {
+  index_t hidden = 0;   // D
+  index_t q_rows = 0;   // Q_LORA
+  index_t kv_rows = 0;  // HEAD_DIM
+  Buffer<bf16> data;    // ((Q_LORA + HEAD_DIM), D)
+};
+
 // The q/kv projection weights of one layer (spec §2 layouts, used as x @ W).
 struct QkvWeights {
   ConstView<bf16, 2> wq_a;         // (D, Q_LORA)
@@ -59,6 +73,10 @@ struct QkvWeights {
   ConstView<bf16, 1> gamma_ckv;    // (512)
   // Optional packed copy of wq_b: used by the CPU's VNNI tiers when present (same results).
   const QkvPackedWqB* wq_b_packed = nullptr;
+  // Optional transposed copy of wq_a | wkv: used by Isa::avx512 with Bf16Dot::dpbf16 when
+  // present (vdpbf16ps: another summation order, within the spec's tolerances and the rounding
+  // bars); without it that tier runs the 512-bit FMA kernel (every tier's bits).
+  const QkvBf16Rows* bf16_rows = nullptr;
 };
 
 // Caller scratch of qkv_projection (FP32 / INT32, T rows), plus `extra` bytes for backends that
@@ -134,6 +152,12 @@ inline void validate(const QkvArgs& a) {
     check_equal(where, "w.wq_b_packed->data.size()", index_t(pk->data.size()), QL * H * HD);
     if (pk->vector_cols != 8 && pk->vector_cols != 16)
       throw_arg(where, "w.wq_b_packed->vector_cols", pk->vector_cols, "8 or 16");
+  }
+  if (const QkvBf16Rows* r = a.w.bf16_rows) {
+    check_equal(where, "w.bf16_rows->hidden", r->hidden, D);
+    check_equal(where, "w.bf16_rows->q_rows", r->q_rows, QL);
+    check_equal(where, "w.bf16_rows->kv_rows", r->kv_rows, HD);
+    check_equal(where, "w.bf16_rows->data.size()", index_t(r->data.size()), (QL + HD) * D);
   }
 }
 

@@ -27,9 +27,10 @@
 //              16-lane twins of the AVX2 tiles (sparse_attention_avx512.hpp) and the BF16 q/kv
 //              matmuls a token-blocked 512-bit FMA kernel, both in the AVX2 lanes' order; the
 //              compressors' projections run 512-bit FMA in that order too, or vdpbf16ps where
-//              Context::bf16_dot resolves to dpbf16 (below); hc_pre/hc_post run the AVX2
-//              micro-kernels. Outside wo_a and the dpbf16 compressors every output equals the
-//              avx2 tier's bit for bit.
+//              Context::bf16_dot resolves to dpbf16 (below; so do the q/kv matmuls when the
+//              weights carry QkvWeights::bf16_rows); hc_pre/hc_post run the AVX2 micro-kernels.
+//              Outside wo_a and the dpbf16 paths every output equals the avx2 tier's bit for
+//              bit.
 // Kernels test `has_avx2(isa)` for the AVX2 code, and `isa == Isa::avx2_vnni` /
 // `isa == Isa::avx512` only where a kernel for that tier exists (`has_vnni(isa)`: either).
 
@@ -182,7 +183,8 @@ inline std::vector<Isa> supported_isas() {
 }
 
 // How the avx512 tier sums products of two BF16 rows where both operands are BF16 already (the
-// compressors' x_n · wkv and x_n · wgate; Context::bf16_dot):
+// compressors' x_n · wkv and x_n · wgate, and the q/kv projection's x_n · wq_a and x_n · wkv
+// where the caller provides their transposed copy QkvWeights::bf16_rows; Context::bf16_dot):
 //   fma        512-bit FP32 FMA in the avx2 tier's order (avx512::bf16_rows_dot_fma): the bits of
 //              every other tier.
 //   dpbf16     vdpbf16ps, the kernels of the o-proj's wo_a (avx512::bf16_rows_dot and

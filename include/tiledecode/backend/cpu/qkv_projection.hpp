@@ -23,7 +23,11 @@
 // Isa::avx512 runs the 16-column packed copy on the 512-bit vpdpbusd in chunks of 24 tokens,
 // cpu::avx512::matmul_i8_packed, and the avx2 matmul without it). Every output element has one
 // producer and a fixed order: results do not depend on the thread count or on T (batch
-// invariance), and the scalar, AVX2, AVX-VNNI and AVX-512 paths give identical results.
+// invariance), and the scalar, AVX2, AVX-VNNI and AVX-512 paths give identical results. The
+// exception, by the caller's choice: Isa::avx512 with Bf16Dot::dpbf16 (automatic on AMD) and the
+// transposed copy QkvWeights::bf16_rows runs x_n · [wq_a | wkv] on the vdpbf16ps row kernels
+// (bf16_rows_avx512.hpp), another summation order held to golden and to the rounding bars, still
+// thread- and batch-invariant (Zen 5, T = 128: 27.9-28.1 → 20.2-20.4 ms for the projection).
 // Measured (Xeon, Sapphire Rapids class, one thread, flash, T = 128 = B 64 × S 2; perf profile
 // of bench_projection): x_n · [wq_a | wkv] 24 → 12.3 ms (axpy passes → tiled, 61 % of the
 // 512-bit FMA ceiling); qr · wq_b 18 → 14.6 ms (packed 8-column, 4-token tiles → 16-column,
@@ -38,6 +42,7 @@
 #include <cstring>
 
 #include "tiledecode/backend/cpu/backend.hpp"
+#include "tiledecode/backend/cpu/bf16_rows_avx512.hpp"
 #include "tiledecode/backend/cpu/decode_avx2.hpp"
 #include "tiledecode/backend/cpu/decode_avx512.hpp"
 #include "tiledecode/backend/cpu/quant.hpp"
@@ -134,6 +139,42 @@ inline QkvPackedWqB pack_qkv_wq_b(const ModelConfig& cfg, ConstView<std::int8_t,
   return p;
 }
 
+// Where the q/kv projection would read QkvWeights::bf16_rows: the avx512 tier with the automatic
+// BF16 choice resolving to vdpbf16ps (AMD). LayerWeightsStorage::pack makes the copy only there.
+inline bool qkv_bf16_rows_useful() {
+  return cpu::cpu_supports(cpu::Isa::avx512) &&
+         cpu::resolved_bf16_dot(cpu::Bf16Dot::automatic) == cpu::Bf16Dot::dpbf16;
+}
+
+// wq_a (D, Q_LORA) and wkv (D, HEAD_DIM) transposed into one QkvBf16Rows (see there). Call once
+// at load time (allocates (Q_LORA + HEAD_DIM)·D BF16; flash: 12 MB). Blocked 64 × 64 so both
+// the reads and the writes stay in cache lines.
+inline QkvBf16Rows pack_qkv_bf16_rows(const ModelConfig& cfg, ConstView<bf16, 2> wq_a,
+                                      ConstView<bf16, 2> wkv) {
+  constexpr std::string_view where = "pack_qkv_bf16_rows";
+  const index_t D = cfg.hidden, QL = cfg.q_lora, HD = cfg.head_dim;
+  check_equal(where, "wq_a.extent(0)", wq_a.extent(0), D);
+  check_equal(where, "wq_a.extent(1)", wq_a.extent(1), QL);
+  check_equal(where, "wkv.extent(0)", wkv.extent(0), D);
+  check_equal(where, "wkv.extent(1)", wkv.extent(1), HD);
+  QkvBf16Rows r;
+  r.hidden = D;
+  r.q_rows = QL;
+  r.kv_rows = HD;
+  r.data = Buffer<bf16>(std::size_t((QL + HD) * D));
+  constexpr index_t B = 64;
+  for (int m = 0; m < 2; ++m) {
+    const ConstView<bf16, 2>& w = m == 0 ? wq_a : wkv;
+    const index_t N = m == 0 ? QL : HD, row0 = m == 0 ? 0 : QL;
+    for (index_t k0 = 0; k0 < D; k0 += B)
+      for (index_t n0 = 0; n0 < N; n0 += B)
+        for (index_t k = k0; k < std::min(D, k0 + B); ++k)
+          for (index_t n = n0; n < std::min(N, n0 + B); ++n)
+            r.data[std::size_t((row0 + n) * D + k)] = w(k, n);
+  }
+  return r;
+}
+
 }  // namespace kernels
 
 namespace cpu {
@@ -228,13 +269,23 @@ struct backend_ops_qkv_projection {
     return p != nullptr && p->vector_cols == 8 ? p : nullptr;
   }
 
+  // Whether project_a runs on vdpbf16ps: avx512, Bf16Dot::dpbf16 and the transposed copy.
+  static bool dpbf16_rows(const Cpu<I>& be, const kernels::QkvArgs& a) {
+    return I == Isa::avx512 && be.bf16_dot == Bf16Dot::dpbf16 && a.w.bf16_rows != nullptr;
+  }
+
   // x_n → FP32 (exact) once, then cq_raw = x @ wq_a and kvf_raw = x @ wkv in 256-column tiles
-  // (wq_a tiles first), 8 tokens per pass over a weight row.
+  // (wq_a tiles first), 8 tokens per pass over a weight row. On avx512 with Bf16Dot::dpbf16 and
+  // QkvWeights::bf16_rows: the o-proj wo_a / compressor vdpbf16ps row kernels on the BF16 x_n and
+  // the transposed rows (bf16_rows_avx512.hpp: their own summation order, one bits for any T:
+  // bf16_rows_dot below kBf16BlockedMinTokens tokens, blocked from there).
   static void project_a(const Cpu<I>& be, const kernels::QkvArgs& a) {
     const index_t T = a.tokens(), D = a.cfg->hidden, QL = a.cfg->q_lora, HD = a.cfg->head_dim;
     const QkvScratch& s = a.s;
-    for (index_t t = 0; t < T; ++t)
-      for (index_t k = 0; k < D; ++k) s.x(t, k) = a.x_n(t, k).to_float();
+    const bool rows = dpbf16_rows(be, a);
+    if (!rows)
+      for (index_t t = 0; t < T; ++t)
+        for (index_t k = 0; k < D; ++k) s.x(t, k) = a.x_n(t, k).to_float();
     const index_t q_tiles = QL / kTile, kv_tiles = HD / kTile;
     be.tasks(q_tiles + kv_tiles, [&](std::int64_t task) {
       const bool is_q = task < q_tiles;
@@ -243,6 +294,18 @@ struct backend_ops_qkv_projection {
       const View<float, 2> dst = is_q ? s.cq : s.kvf;
 #if TILEDECODE_X86
       if constexpr (I == Isa::avx512) {
+        if (rows) {
+          const index_t N = is_q ? QL : HD;
+          const bf16* wr = a.w.bf16_rows->data.data() + ((is_q ? 0 : QL) + n0) * D;
+          if (T >= avx512::kBf16BlockedMinTokens) {
+            avx512::bf16_rows_dot_blocked<false>(dst.data() + n0, dst.stride(0), a.x_n.data(),
+                                                 a.x_n.stride(0), T, wr, D, kTile, D);
+          } else {
+            avx512::bf16_rows_dot<false>(dst.data() + n0, dst.stride(0), a.x_n.data(),
+                                         a.x_n.stride(0), T, wr, D, kTile, D, N - n0);
+          }
+          return;
+        }
         // All T tokens per pass over the weights (same bits as the 8-token axpy passes).
         avx512::matmul_bf16_tiled(dst.data(), dst.stride(0), s.x.data(), s.x.stride(0), T,
                                   wm.data(), wm.stride(0), D, n0, n0 + kTile);
