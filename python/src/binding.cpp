@@ -267,10 +267,6 @@ LayerWeights::LayerWeights(std::int64_t kind_, c10::Dict<std::string, at::Tensor
     wq_b_packed = td::kernels::pack_qkv_wq_b(cfg, w.qkv.wq_b);
     w.qkv.wq_b_packed = &wq_b_packed;
   }
-  if (td::kernels::qkv_bf16_rows_useful()) {
-    qkv_rows = td::kernels::pack_qkv_bf16_rows(cfg, w.qkv.wq_a, w.qkv.wkv);
-    w.qkv.bf16_rows = &qkv_rows;
-  }
   if (kind == td::LayerKind::swa) return;
   w.compressor = {bf.operator()<2>("cmp_wkv"), bf.operator()<2>("cmp_wgate"),
                   f32.operator()<2>("cmp_ape"), bf.operator()<1>("cmp_norm_w")};

@@ -158,8 +158,10 @@ struct Workspace : torch::CustomClassHolder {
 };
 
 // One layer's weights: views of the caller's tensors (kept alive here) plus the load-time packed
-// copies the CPU step needs (indexer query weights; wq_b for the VNNI tiers; wq_a | wkv transposed
-// where the avx512 tier's q/kv projection runs on vdpbf16ps, as LayerWeightsStorage::pack).
+// copies the CPU step needs (indexer query weights; wq_b for the VNNI tiers). Not the transposed
+// wq_a | wkv of LayerWeightsStorage::pack (QkvWeights::bf16_rows): the standalone ops take plain
+// weight tensors, so the q/kv projection keeps the FMA order here and the step's intermediates
+// equal the ops' outputs bit for bit (tests/python/test_kernels.py).
 struct LayerWeights : torch::CustomClassHolder {
   LayerWeights(std::int64_t kind, c10::Dict<std::string, at::Tensor> tensors, std::string config);
   std::string config;
@@ -168,7 +170,6 @@ struct LayerWeights : torch::CustomClassHolder {
   c10::Dict<std::string, at::Tensor> tensors;
   td::kernels::IndexerQueryWeights idx_packed;
   td::QkvPackedWqB wq_b_packed;
-  td::QkvBf16Rows qkv_rows;
   td::decode::LayerWeights w;
 };
 
