@@ -106,7 +106,7 @@ struct LayerWeightsStorage {
   QkvPackedWqB wq_b_packed;
   // wq_a | wkv transposed for the avx512 tier's vdpbf16ps q/kv projection, filled by pack() where
   // the automatic BF16 choice resolves to dpbf16 (kernels::qkv_bf16_rows_useful: AMD with
-  // AVX-512): a second copy ((Q_LORA + 512)·D BF16, flash 12 MB per layer), not counted in
+  // AVX-512): a second copy ((Q_LORA + 512)·D BF16, flash 12.6 MB per layer), not counted in
   // bytes(). A step pinned to Bf16Dot::fma ignores it (every tier's bits).
   QkvBf16Rows qkv_rows;
 

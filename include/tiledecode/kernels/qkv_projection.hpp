@@ -54,8 +54,8 @@ struct QkvPackedWqB {
 // k] = w[k, n]), wq_a's Q_LORA rows then wkv's HEAD_DIM rows. vdpbf16ps multiplies pairs of
 // consecutive k, which the (D, N) layout keeps N apart. Read only by Isa::avx512 with
 // Bf16Dot::dpbf16 (automatic on AMD, where vdpbf16ps retires twice the FP32 FMA rate); a second
-// copy of both matrices (flash: 12 MB per layer), made at load time only where that choice resolves
-// to dpbf16.
+// copy of both matrices (flash: 12.6 MB per layer), made at load time only where that choice
+// resolves to dpbf16.
 struct QkvBf16Rows {
   index_t hidden = 0;   // D
   index_t q_rows = 0;   // Q_LORA

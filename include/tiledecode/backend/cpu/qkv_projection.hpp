@@ -147,7 +147,7 @@ inline bool qkv_bf16_rows_useful() {
 }
 
 // wq_a (D, Q_LORA) and wkv (D, HEAD_DIM) transposed into one QkvBf16Rows (see there). Call once
-// at load time (allocates (Q_LORA + HEAD_DIM)·D BF16; flash: 12 MB). Blocked 64 × 64 so both
+// at load time (allocates (Q_LORA + HEAD_DIM)·D BF16; flash: 12.6 MB). Blocked 64 × 64 so both
 // the reads and the writes stay in cache lines.
 inline QkvBf16Rows pack_qkv_bf16_rows(const ModelConfig& cfg, ConstView<bf16, 2> wq_a,
                                       ConstView<bf16, 2> wkv) {

@@ -16,9 +16,10 @@
 // operations, so the split changes nothing.
 //
 // Why a tier of its own: where 512-bit FMA runs at full width (Zen 5, Sapphire Rapids) the AVX2
-// tiles are capped at half the core's FP32 rate; on Zen 4, which splits 512-bit FMA in two, these
-// tiles run at the AVX2 rate with half the instructions. Register tiles use 24 of the 32 zmm
-// accumulators-worth: qk 6 columns × 64 heads, pv 6 heads × 64 dims (4 vectors per head: one
+// tiles are capped at half the core's FP32 rate (Zen 5, CSA B = 4: 6.3-6.9 ms on the AVX2 tiles,
+// 3.3-3.7 ms on these); Zen 4 splits 512-bit FMA in two, so there these tiles can at best match
+// the AVX2 rate (not measured on Zen 4). Register tiles keep 24 of the 32 zmm registers as
+// accumulators: qk 6 columns × 64 heads, pv 6 heads × 64 dims (4 vectors per head: one
 // broadcast of p feeds 4 FMAs). Operands as in the AVX2 file: row-major FP32 with leading
 // dimensions in floats, 64-byte aligned rows (the kernel's workspace guarantees it). Reached only
 // after the runtime ISA check (cpu_has_avx512).
