@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "tiledecode/backend/cpu/bf16_rows_avx2.hpp"
 #include "tiledecode/backend/cpu/isa.hpp"
@@ -52,8 +53,10 @@ TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline __m512bh load32(c
 
 // One block [k0, k1) of the NR × NT register tile (k1 - k0 <= kBf16DotBlock): FP32 lane partials
 // from +0, added at the end to the double lanes lane(r, t)[0..16). With ahead and self (the
-// prefetch schedule of the pass over n), their prefetches are issued once per 32 k.
-template <int NR, int NT, class Lane>
+// prefetch schedule of the pass over n), their prefetches are issued once per 32 k. Token t's
+// elements [k, k + 32) are at x + t·ld_x + kXStep·k: rows (kXStep = 1) or a token panel tile
+// (kXStep = 4, ld_x = 32: pack_bf16_panel_tile).
+template <int NR, int NT, int kXStep = 1, class Lane>
 TILEDECODE_TARGET_AVX512 inline void tile_block(Lane&& lane, const bf16* w, index_t ld_w,
                                                 const bf16* x, index_t ld_x, index_t k0, index_t k1,
                                                 index_t n = 0, const Prefetch* ahead = nullptr,
@@ -69,7 +72,7 @@ TILEDECODE_TARGET_AVX512 inline void tile_block(Lane&& lane, const bf16* w, inde
     __m512bh v[NR];
     for (int r = 0; r < NR; ++r) v[r] = load32<kMasked>(w + r * ld_w, k, k1);
     for (int t = 0; t < NT; ++t) {
-      const __m512bh xv = load32<kMasked>(x + t * ld_x, k, k1);
+      const __m512bh xv = load32<kMasked>(x + t * ld_x + (kXStep - 1) * k, k, k1);
       for (int r = 0; r < NR; ++r) c[r][t] = _mm512_dpbf16_ps(c[r][t], v[r], xv);
     }
   };
@@ -129,37 +132,107 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot(float* out, index_t ld_out, c
 
 // ---------------------------------------------------------------------------------------------
 // bf16_rows_dot_blocked: bf16_rows_dot's contract and bits (every lane adds the same products in
-// the same order, the double lanes are summed alike) for many tokens, blocked for the caches:
-// per chunk of kBlockedChunkTokens tokens (their x rows, 64 × 8 KB at d = 4096, stay in L2), per
-// block of kBlockedRows rows (the chunk's double lanes for them: 64 × 6 × 16 × 8 B = 48 KB of
-// stack), per k-block of kBf16DotBlock (the rows' 6 × 2 KB segment stays in L1 while every
+// the same order, the double lanes are summed alike) for many tokens, blocked for the caches.
+// The activations come as a token panel (pack_bf16_panel below, once per call of the kernel's
+// caller, shared by its tasks): 4-token tiles whose four 32-element pieces of each k step lie
+// side by side, so a register tile's activation loads for a step are one 256-byte run. With the
+// rows in place (8 KB apart at d = 4096) all ten loads of a step fall in one L1 set, and the next
+// tile's rows contend for it: the same tile on the panel ran 25 % faster (Zen 5, 24 rows x 64 and
+// 128 tokens, in L2: 257-270 -> 324-343 GFLOP/s).
+// Loop nest: per chunk of kBlockedChunkTokens tokens (their panel, 64 × 8 KB at d = 4096, stays in
+// L2), per block of kBlockedRows rows (the chunk's double lanes for them: 64 × 6 × 16 × 8 B =
+// 48 KB of stack), per k-block of kBf16DotBlock (the rows' 6 × 2 KB segment stays in L1 while every
 // token tile of the chunk runs it), register tiles of 6 rows × 4 tokens (24 accumulators; per
 // 32 k: 6 weight loads from L1, 4 activation loads from L2, 24 vdpbf16ps). Each weight row is
-// read from memory once per chunk; bf16_rows_dot's 3 × 4 tiles over whole rows stream both
-// operands from L2 and at 128 tokens reach 40 % of the vdpbf16ps ceiling. The tile's shape is the
-// faster of those measured on Zen 5 (interleaved, CSA compressor T = 128 / 512, one thread):
-// 6 × 4 7.7–8.1 / 32.8–37.4 ms, 4 × 6 9.0–10.6 / 36.7–41.9 ms (fewer loads from L2 per
-// vdpbf16ps); 5 × 5 and chunks of 32, 96 or 128 tokens were slower, 8 × 3 spills.
+// read from memory once per chunk. The double lanes of 8 tokens × 1 row are summed at the end as
+// one 8-wide vector per lane index (two 8 × 8 transposes): each output's sum is still
+// ((0 + lane 0) + lane 1) + ... + lane 15, without 16 dependent scalar additions per output.
+// The tile's shape is the faster of those measured on Zen 5 (interleaved, CSA compressor T = 128
+// / 512, one thread): 6 × 4 7.7–8.1 / 32.8–37.4 ms, 4 × 6 9.0–10.6 / 36.7–41.9 ms (fewer loads
+// from L2 per vdpbf16ps); 5 × 5 and chunks of 32, 96 or 128 tokens were slower, 8 × 3 spills.
 namespace bf16_rows_blocked_detail {
 
 inline constexpr int kBlockedRows = 6;          // rows per register tile and L1 weight block
-inline constexpr int kBlockedTileTokens = 4;    // tokens per register tile
+inline constexpr int kBlockedTileTokens = 4;    // tokens per register tile and panel tile
 inline constexpr int kBlockedChunkTokens = 64;  // tokens per chunk of double lanes
 
+// s[i] = ((0 + a_i[0]) + a_i[1]) + ... + a_i[15] for the 8 lane rows a_i = lanes[i] (16 doubles
+// each, 64-byte aligned, ld doubles apart), lane for lane as the scalar loop.
+TILEDECODE_TARGET_AVX512 inline __m512d sum_lanes8(const double* lanes, index_t ld) {
+  __m512d s = _mm512_setzero_pd();
+  for (int h = 0; h < 16; h += 8) {
+    __m512d a[8], u[8], v[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm512_load_pd(lanes + i * ld + h);
+    // u[2j] = (a[2j][l], a[2j+1][l]) for l even, u[2j+1] the same for l odd (per 128-bit lane).
+    for (int j = 0; j < 8; j += 2) {
+      u[j] = _mm512_unpacklo_pd(a[j], a[j + 1]);
+      u[j + 1] = _mm512_unpackhi_pd(a[j], a[j + 1]);
+    }
+    // v[q]: rows 0-3 (q < 4) or 4-7 of lanes {l, l + 4} with l = (q % 4 → 0, 1, 2, 3).
+    const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+    const __m512i hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    for (int b = 0; b < 8; b += 4) {
+      v[b + 0] = _mm512_permutex2var_pd(u[b], lo, u[b + 2]);      // l = 0, 4
+      v[b + 1] = _mm512_permutex2var_pd(u[b + 1], lo, u[b + 3]);  // l = 1, 5
+      v[b + 2] = _mm512_permutex2var_pd(u[b], hi, u[b + 2]);      // l = 2, 6
+      v[b + 3] = _mm512_permutex2var_pd(u[b + 1], hi, u[b + 3]);  // l = 3, 7
+    }
+    const __m512i first = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+    __m512d col[8];  // col[l][i] = a[i][l]
+    for (int l = 0; l < 4; ++l) {
+      col[l] = _mm512_permutex2var_pd(v[l], first, v[4 + l]);
+      col[l + 4] = _mm512_permutex2var_pd(v[l], second, v[4 + l]);
+    }
+    for (int l = 0; l < 8; ++l) s = _mm512_add_pd(s, col[l]);
+  }
+  return s;
+}
+
 }  // namespace bf16_rows_blocked_detail
+
+// The panel of pack_bf16_panel for n_tok tokens of d elements: tiles of 4 tokens, each
+// 4 · round_up(d, 32) elements.
+inline constexpr index_t bf16_panel_tile_elems(index_t d) {
+  return bf16_rows_blocked_detail::kBlockedTileTokens * ((d + 31) / 32 * 32);
+}
+inline constexpr index_t bf16_panel_elems(index_t n_tok, index_t d) {
+  return (n_tok + 3) / 4 * bf16_panel_tile_elems(d);
+}
+
+// Tile p of the panel (tokens 4p .. 4p + 3; past n_tok nothing is written):
+// xp[p · tile + (k / 32) · 128 + (t % 4) · 32 + k % 32] = x[t · ld_x + k] for k < d, +0 for
+// d <= k < round_up(d, 32). Plain copies (no ISA); callers run the tiles as parallel tasks.
+inline void pack_bf16_panel_tile(bf16* xp, const bf16* x, index_t ld_x, index_t n_tok, index_t d,
+                                 index_t p) {
+  const index_t dp = (d + 31) / 32 * 32;
+  bf16* tile = xp + p * bf16_panel_tile_elems(d);
+  for (index_t t = 4 * p; t < std::min<index_t>(n_tok, 4 * p + 4); ++t)
+    for (index_t k = 0; k < dp; k += 32) {
+      bf16* dst = tile + k * 4 + (t % 4) * 32;
+      const index_t n = std::min<index_t>(32, d - k);
+      std::memcpy(dst, x + t * ld_x + k, std::size_t(n) * sizeof(bf16));
+      for (index_t i = n; i < 32; ++i) dst[i] = bf16::from_bits(0);
+    }
+}
 
 // Callers take bf16_rows_dot_blocked from this many tokens, bf16_rows_dot below it (the same
 // bits either way).
 inline constexpr index_t kBf16BlockedMinTokens = 16;
 
+// bf16_rows_dot<kAccumulate>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d, ·) with x given as
+// its panel (pack_bf16_panel_tile for every tile of the n_tok tokens): xp points at element k0 of
+// the first tile (xp = panel + 4 · k0, k0 % 32 == 0, for a reduction over x's [k0, k0 + d)),
+// ld_tile = bf16_panel_tile_elems of the packed width (elements from one tile to the next).
+// Rows [n_rows, n_rows_pf) of w exist and may be prefetched (the caller's next rows).
 template <bool kAccumulate>
 TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_blocked(float* out, index_t ld_out,
-                                                           const bf16* x, index_t ld_x,
+                                                           const bf16* xp, index_t ld_tile,
                                                            index_t n_tok, const bf16* w,
-                                                           index_t ld_w, index_t n_rows,
-                                                           index_t d) {
+                                                           index_t ld_w, index_t n_rows, index_t d,
+                                                           index_t n_rows_pf) {
   using namespace bf16_rows_blocked_detail;
-  constexpr int R = kBlockedRows;
+  constexpr int R = kBlockedRows, TT = kBlockedTileTokens;
   alignas(64) double lanes[kBlockedChunkTokens][R][16];
   for (index_t c0 = 0; c0 < n_tok; c0 += kBlockedChunkTokens) {
     const int nc = int(std::min<index_t>(kBlockedChunkTokens, n_tok - c0));
@@ -168,30 +241,50 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_blocked(float* out, index_t l
       for (int t = 0; t < nc; ++t)
         for (int r = 0; r < R; ++r)
           for (int i = 0; i < 16; i += 8) _mm512_store_pd(&lanes[t][r][i], _mm512_setzero_pd());
+      // In the first chunk the rows come from memory: the next block's rows (up to n_rows_pf)
+      // are prefetched into L2 a k-block's segment at a time, spread over the token tiles (6 ×
+      // 2 KB per 16 tiles at 64 tokens), while this block's run.
+      const index_t pf_rows = c0 == 0 ? std::clamp<index_t>(n_rows_pf - (r0 + R), 0, R) : 0;
       for (index_t k0 = 0; k0 < d; k0 += kBf16DotBlock) {
         const index_t k1 = std::min<index_t>(d, k0 + kBf16DotBlock);
-        for (int t0 = 0; t0 < nc; t0 += kBlockedTileTokens) {
-          const int nt = std::min(kBlockedTileTokens, nc - t0);
+        const index_t pf_lines = pf_rows * ((k1 - k0 + 31) / 32), n_tiles = (nc + TT - 1) / TT;
+        for (int t0 = 0; t0 < nc; t0 += TT) {
+          const int nt = std::min(TT, nc - t0);
+          for (index_t i = pf_lines * (t0 / TT) / n_tiles; i < pf_lines * (t0 / TT + 1) / n_tiles;
+               ++i) {
+            const index_t r = i % pf_rows, k = k0 + (i / pf_rows) * 32;
+            _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + R + r) * ld_w + k), _MM_HINT_T1);
+          }
+          const bf16* tile = xp + ((c0 + t0) / TT) * ld_tile;
           with_static_count<R>(nr, [&]<int NR>() TILEDECODE_TARGET_AVX512 {
-            with_static_count<kBlockedTileTokens>(nt, [&]<int NT>() TILEDECODE_TARGET_AVX512 {
-              bf16_rows_detail::tile_block<NR, NT>([&](int r, int t) { return lanes[t0 + t][r]; },
-                                                   w + r0 * ld_w, ld_w, x + (c0 + t0) * ld_x, ld_x,
-                                                   k0, k1);
+            with_static_count<TT>(nt, [&]<int NT>() TILEDECODE_TARGET_AVX512 {
+              bf16_rows_detail::tile_block<NR, NT, TT>(
+                  [&](int r, int t) { return lanes[t0 + t][r]; }, w + r0 * ld_w, ld_w, tile, 32, k0,
+                  k1);
             });
           });
         }
       }
-      for (int t = 0; t < nc; ++t)
+      const auto emit = [&](int t, int r, double s) {
+        float& o = out[(c0 + t) * ld_out + r0 + r];
+        o = kAccumulate ? float(double(o) + s) : float(s);
+      };
+      int t = 0;
+      for (; t + 8 <= nc; t += 8)
+        for (int r = 0; r < nr; ++r) {
+          alignas(64) double s[8];
+          _mm512_store_pd(s, sum_lanes8(lanes[t][r], R * 16));
+          for (int i = 0; i < 8; ++i) emit(t + i, r, s[i]);
+        }
+      for (; t < nc; ++t)
         for (int r = 0; r < nr; ++r) {
           double s = 0.0;
           for (int l = 0; l < 16; ++l) s += lanes[t][r][l];
-          float& o = out[(c0 + t) * ld_out + r0 + r];
-          o = kAccumulate ? float(double(o) + s) : float(s);
+          emit(t, r, s);
         }
     }
   }
 }
-
 // ---------------------------------------------------------------------------------------------
 // bf16_rows_dot_fma: avx2::bf16_rows_dot's contract (FP32 x) and its bits, on 512-bit FMA, for
 // many tokens. A register holds two rows' 8-lane partials for one token (lanes 0-7: row 2p,

@@ -119,6 +119,18 @@ struct backend_ops_compressor {
     const index_t T = a.tokens(), D = cfg.hidden, OUT = a.spec.out_dim(), SW = a.spec.state_width();
     // The FP32 copy of x_n for the FMA kernels (the vdpbf16ps ones read the BF16 rows).
     const bool bf16_rows = I == Isa::avx512 && be.bf16_dot == Bf16Dot::dpbf16;
+#if TILEDECODE_X86
+    // The blocked vdpbf16ps kernel reads x_n as a token panel, packed once here into the FP32
+    // copy's space (unused on that path: 2·T·D BF16 elements), shared by every row task.
+    [[maybe_unused]] const bool panel = bf16_rows && T >= avx512::kBf16BlockedMinTokens &&
+                                        avx512::bf16_panel_elems(T, D) <= 2 * T * D;
+    [[maybe_unused]] bf16* const xp = reinterpret_cast<bf16*>(ws.x32);
+    if (panel) {
+      be.tasks((T + 3) / 4, [&](std::int64_t p) {
+        avx512::pack_bf16_panel_tile(xp, a.x_n.data(), a.x_n.stride(0), T, D, p);
+      });
+    }
+#endif
     if (!bf16_rows) {
       be.tasks(T, [&](std::int64_t t) {
         const bf16* src = a.x_n.data() + t * a.x_n.stride(0);
@@ -144,9 +156,9 @@ struct backend_ops_compressor {
       if constexpr (I == Isa::avx512) {
         if (bf16_rows) {  // vdpbf16ps on the BF16 x_n (isa.hpp, Bf16Dot)
           const bf16* xb = a.x_n.data();
-          if (T >= avx512::kBf16BlockedMinTokens) {
-            avx512::bf16_rows_dot_blocked<false>(out, SW, xb, a.x_n.stride(0), T, wr, m.stride(0),
-                                                 n, D);
+          if (panel) {
+            avx512::bf16_rows_dot_blocked<false>(out, SW, xp, avx512::bf16_panel_tile_elems(D), T,
+                                                 wr, m.stride(0), n, D, OUT - r0);
           } else {
             avx512::bf16_rows_dot<false>(out, SW, xb, a.x_n.stride(0), T, wr, m.stride(0), n, D,
                                          OUT - r0);
@@ -210,7 +222,7 @@ struct backend_ops_compressor {
       sc[j] = r + OUT + off;
     }
     // Channel blocks only where the window is long enough to be worth a task (shape-only rule).
-    const index_t grain = n >= 64 ? 64 : HD;
+    const index_t grain = n >= 64 ? 128 : HD;
     z.be->tasks((HD + grain - 1) / grain, [&](std::int64_t i) {
       const index_t c0 = i * grain, c1 = std::min(HD, c0 + grain);
 #if TILEDECODE_X86

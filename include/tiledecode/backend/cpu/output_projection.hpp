@@ -17,10 +17,13 @@
 // (wo_b, INT8) against 2·T operations per weight element; see docs/sparse_attention.md.
 // From 16 tokens the avx512 tier blocks both stages for the caches with the same bits (batch
 // invariance: tests/test_oproj.cpp LargeBatchBitIdenticalToSmallBatches): wo_a on
-// avx512::bf16_rows_dot_blocked (6 weight rows in L1 × 4-token tiles over chunks of 64 tokens),
-// wo_b on project_b_blocked (4 channels of one group in L1 × 6-token tiles, the groups in order).
-// B = 64, S = 2 (T = 128), one thread, Zen 4 (bench_sparse_attn): 154-178 -> 84 ms (37 -> 68 %
-// of the machine's BF16 and INT8 ceilings); B = 4 unchanged (10-12 ms, memory bound).
+// avx512::bf16_rows_dot_blocked (6 weight rows in L1 × 4-token tiles over chunks of 64 tokens,
+// the BF16 copy of o_packed packed as each group's token panel, tasks of kRowsPerBlockedTask
+// rows), wo_b on project_b_blocked (4 channels of one group in L1 × 6-token tiles, the groups in
+// order). B = 64, S = 2 (T = 128), one thread, Zen 4 (bench_sparse_attn): 154-178 -> 84 ms (37 ->
+// 68 % of the machine's BF16 and INT8 ceilings); B = 4 unchanged (10-12 ms, memory bound). Zen 5,
+// interleaved: the token panel and the 96-row tasks took B = 64 from 48.3-49.9 to 46.1-46.4 ms
+// (S = 2) and from 192-194 to 178-179 ms (S = 8), 55-58 -> 59-62 % of those ceilings.
 
 #include <algorithm>
 #include <cstddef>
@@ -42,6 +45,11 @@ namespace tiledecode::cpu {
 namespace output_projection_detail {
 
 inline constexpr int kRowsPerTask = 32;  // wo_a rows per task
+// wo_a rows per task of the blocked avx512 kernel: a multiple of its 6-row blocks, so that only a
+// group's last task has a partial block (32-row tasks end in a 2-row block each: 4 of every 32
+// rows ran in 2 × 4 tiles, at 8 vdpbf16ps per 6 loads). A shape-only split: each output's sum is
+// the same for any.
+inline constexpr int kRowsPerBlockedTask = 96;
 inline constexpr int kKChunk = 4096;  // wo_a reduction chunk (whole rows: few, long weight streams)
 inline constexpr int kTokTile = 8;    // tokens per a_chunk call (register tiles of 4)
 inline constexpr int kChanPerTask = 32;  // wo_b output channels per task
@@ -109,10 +117,21 @@ struct Avx2VnniOps : Avx2Ops {
 // order), the 512-bit vpdpbusd wo_b tile.
 struct Avx512Ops : Avx2Ops {
   static constexpr bool kBf16Activations = true;  // wo_a reads the BF16 copy of o_packed
+  // The copy is a token panel where a_chunk_bf16 takes the blocked kernel and the panel fits the
+  // FP32 copy's space (2·T·K BF16 elements).
+  static bool panel(index_t T, index_t K) {
+    return T >= avx512::kBf16BlockedMinTokens && avx512::bf16_panel_elems(T, K) <= 2 * T * K;
+  }
+  static index_t panel_elems(index_t T, index_t K) { return avx512::bf16_panel_elems(T, K); }
+  static void pack_panel_tile(bf16* xp, const bf16* x, index_t ld_x, index_t T, index_t K,
+                              index_t p) {
+    avx512::pack_bf16_panel_tile(xp, x, ld_x, T, K, p);
+  }
   static void a_chunk_bf16(float* out, std::int64_t ldout, const bf16* o, std::int64_t ldo, int nt,
                            const bf16* w, std::int64_t ldw, int nr, int kc, int nr_pf) {
     if (nt >= avx512::kBf16BlockedMinTokens) {  // the same bits, blocked for the caches
-      avx512::bf16_rows_dot_blocked<true>(out, ldout, o, ldo, nt, w, ldw, nr, kc);
+      // o: the group's token panel at k0 (project_a), ldo: its tile stride.
+      avx512::bf16_rows_dot_blocked<true>(out, ldout, o, ldo, nt, w, ldw, nr, kc, nr_pf);
     } else {
       avx512::bf16_rows_dot<true>(out, ldout, o, ldo, nt, w, ldw, nr, kc, nr_pf);
     }
@@ -184,20 +203,39 @@ struct backend_ops_output_projection {
     const ModelConfig& cfg = *x.cfg;
     const index_t T = x.tokens(), G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in();
     [[maybe_unused]] bf16* const ob = reinterpret_cast<bf16*>(s.of);  // the BF16 copy
-    s.be.tasks((g1 - g0) * T, [&](std::int64_t i) {
-      const index_t row = g0 * T + i;
-      if constexpr (Ops::kBf16Activations) {
-        for (index_t k = 0; k < K; ++k) ob[row * K + k] = x.o_packed(row, k);
-      } else {
-        for (index_t k = 0; k < K; ++k) s.of[row * K + k] = x.o_packed(row, k).to_float();
+    // From kBf16BlockedMinTokens tokens the BF16 copy is each group's token panel
+    // (avx512::pack_bf16_panel_tile; group g's at ob + g · panel), else rows as o_packed's.
+    bool panel = false;
+    [[maybe_unused]] index_t panel_elems = T * K;
+    if constexpr (Ops::kBf16Activations) {
+      panel = Ops::panel(T, K);
+      if (panel) {
+        panel_elems = Ops::panel_elems(T, K);
+        const index_t tiles = (T + 3) / 4;
+        s.be.tasks((g1 - g0) * tiles, [&](std::int64_t i) {
+          const index_t g = g0 + i / tiles;
+          Ops::pack_panel_tile(ob + g * panel_elems, &x.o_packed(g * T, 0), x.o_packed.stride(0), T,
+                               K, i % tiles);
+        });
       }
-    });
+    }
+    if (!panel) {
+      s.be.tasks((g1 - g0) * T, [&](std::int64_t i) {
+        const index_t row = g0 * T + i;
+        if constexpr (Ops::kBf16Activations) {
+          for (index_t k = 0; k < K; ++k) ob[row * K + k] = x.o_packed(row, k);
+        } else {
+          for (index_t k = 0; k < K; ++k) s.of[row * K + k] = x.o_packed(row, k).to_float();
+        }
+      });
+    }
     for (index_t t = 0; t < T; ++t)
       for (index_t g = g0; g < g1; ++g) std::fill_n(s.orr + (t * G + g) * R, R, 0.0f);
-    const index_t row_tasks = (R + kRowsPerTask - 1) / kRowsPerTask;
+    const index_t task_rows = panel ? kRowsPerBlockedTask : kRowsPerTask;
+    const index_t row_tasks = (R + task_rows - 1) / task_rows;
     s.be.tasks((g1 - g0) * row_tasks, [&](std::int64_t task) {
-      const index_t g = g0 + task / row_tasks, r0 = (task % row_tasks) * kRowsPerTask;
-      const int nr = int(std::min<index_t>(kRowsPerTask, R - r0));
+      const index_t g = g0 + task / row_tasks, r0 = (task % row_tasks) * task_rows;
+      const int nr = int(std::min<index_t>(task_rows, R - r0));
       const bf16* w = &x.wo_a(g, r0, 0);
       for (index_t k0 = 0; k0 < K; k0 += kKChunk) {
         const int kc = int(std::min<index_t>(kKChunk, K - k0));
@@ -207,8 +245,14 @@ struct backend_ops_output_projection {
           const int nt = int(std::min<index_t>(tok_tile, T - t0));
           // The rows after this task's, up to the end of the group, may be prefetched.
           if constexpr (Ops::kBf16Activations) {
-            Ops::a_chunk_bf16(s.orr + (t0 * G + g) * R + r0, G * R, ob + (g * T + t0) * K + k0, K,
-                              nt, w + k0, x.wo_a.stride(1), nr, kc, int(R - r0));
+            if (panel) {  // t0 = 0: every token at once
+              Ops::a_chunk_bf16(s.orr + g * R + r0, G * R, ob + g * panel_elems + 4 * k0,
+                                Ops::panel_elems(4, K), nt, w + k0, x.wo_a.stride(1), nr, kc,
+                                int(R - r0));
+            } else {
+              Ops::a_chunk_bf16(s.orr + (t0 * G + g) * R + r0, G * R, ob + (g * T + t0) * K + k0, K,
+                                nt, w + k0, x.wo_a.stride(1), nr, kc, int(R - r0));
+            }
           } else {
             Ops::a_chunk(s.orr + (t0 * G + g) * R + r0, G * R, s.of + (g * T + t0) * K + k0, K, nt,
                          w + k0, x.wo_a.stride(1), nr, kc, int(R - r0));

@@ -283,6 +283,20 @@ struct backend_ops_qkv_projection {
     const index_t T = a.tokens(), D = a.cfg->hidden, QL = a.cfg->q_lora, HD = a.cfg->head_dim;
     const QkvScratch& s = a.s;
     const bool rows = dpbf16_rows(be, a);
+#if TILEDECODE_X86
+    // The blocked vdpbf16ps kernel reads x_n as a token panel, packed once here into the FP32
+    // copy's space (unused on that path; a caller's contiguous (T, D) scratch), shared by every
+    // column task.
+    [[maybe_unused]] const bool panel = rows && T >= avx512::kBf16BlockedMinTokens &&
+                                        s.x.is_contiguous() &&
+                                        avx512::bf16_panel_elems(T, D) <= 2 * s.x.size();
+    [[maybe_unused]] bf16* const xp = reinterpret_cast<bf16*>(s.x.data());
+    if (panel) {
+      be.tasks((T + 3) / 4, [&](std::int64_t p) {
+        avx512::pack_bf16_panel_tile(xp, a.x_n.data(), a.x_n.stride(0), T, D, p);
+      });
+    }
+#endif
     if (!rows)
       for (index_t t = 0; t < T; ++t)
         for (index_t k = 0; k < D; ++k) s.x(t, k) = a.x_n(t, k).to_float();
@@ -297,9 +311,10 @@ struct backend_ops_qkv_projection {
         if (rows) {
           const index_t N = is_q ? QL : HD;
           const bf16* wr = a.w.bf16_rows->data.data() + ((is_q ? 0 : QL) + n0) * D;
-          if (T >= avx512::kBf16BlockedMinTokens) {
-            avx512::bf16_rows_dot_blocked<false>(dst.data() + n0, dst.stride(0), a.x_n.data(),
-                                                 a.x_n.stride(0), T, wr, D, kTile, D);
+          if (panel) {
+            avx512::bf16_rows_dot_blocked<false>(dst.data() + n0, dst.stride(0), xp,
+                                                 avx512::bf16_panel_tile_elems(D), T, wr, D, kTile,
+                                                 D, N - n0);
           } else {
             avx512::bf16_rows_dot<false>(dst.data() + n0, dst.stride(0), a.x_n.data(),
                                          a.x_n.stride(0), T, wr, D, kTile, D, N - n0);
