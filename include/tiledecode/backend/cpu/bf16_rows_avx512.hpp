@@ -247,13 +247,19 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_blocked(float* out, index_t l
       const index_t pf_rows = c0 == 0 ? std::clamp<index_t>(n_rows_pf - (r0 + R), 0, R) : 0;
       for (index_t k0 = 0; k0 < d; k0 += kBf16DotBlock) {
         const index_t k1 = std::min<index_t>(d, k0 + kBf16DotBlock);
+        // The block's pf_rows × (k1 - k0) / 32 lines, row-major by k, a quota per tile.
         const index_t pf_lines = pf_rows * ((k1 - k0 + 31) / 32), n_tiles = (nc + TT - 1) / TT;
+        const index_t quota = (pf_lines + n_tiles - 1) / n_tiles;
+        index_t pf_done = 0, pf_r = 0, pf_k = k0;
         for (int t0 = 0; t0 < nc; t0 += TT) {
           const int nt = std::min(TT, nc - t0);
-          for (index_t i = pf_lines * (t0 / TT) / n_tiles; i < pf_lines * (t0 / TT + 1) / n_tiles;
-               ++i) {
-            const index_t r = i % pf_rows, k = k0 + (i / pf_rows) * 32;
-            _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + R + r) * ld_w + k), _MM_HINT_T1);
+          for (const index_t end = std::min(pf_lines, pf_done + quota); pf_done < end; ++pf_done) {
+            _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + R + pf_r) * ld_w + pf_k),
+                         _MM_HINT_T1);
+            if (++pf_r == pf_rows) {
+              pf_r = 0;
+              pf_k += 32;
+            }
           }
           const bf16* tile = xp + ((c0 + t0) / TT) * ld_tile;
           with_static_count<R>(nr, [&]<int NR>() TILEDECODE_TARGET_AVX512 {
