@@ -191,8 +191,8 @@ TILEDECODE_TARGET_AVX512 inline __m512d sum_lanes8(const double* lanes, index_t 
 
 }  // namespace bf16_rows_blocked_detail
 
-// The panel of pack_bf16_panel for n_tok tokens of d elements: tiles of 4 tokens, each
-// 4 · round_up(d, 32) elements.
+// The token panel of n_tok tokens of d elements: tiles of 4 tokens, each 4 · round_up(d, 32)
+// elements.
 inline constexpr index_t bf16_panel_tile_elems(index_t d) {
   return bf16_rows_blocked_detail::kBlockedTileTokens * ((d + 31) / 32 * 32);
 }
@@ -220,11 +220,25 @@ inline void pack_bf16_panel_tile(bf16* xp, const bf16* x, index_t ld_x, index_t 
 // bits either way).
 inline constexpr index_t kBf16BlockedMinTokens = 16;
 
+// Whether a caller runs bf16_rows_dot_blocked on a panel of n_tok tokens × d held in `capacity`
+// BF16 elements of its scratch (else bf16_rows_dot on the rows: the same bits).
+inline constexpr bool bf16_panel_fits(index_t n_tok, index_t d, index_t capacity) {
+  return n_tok >= kBf16BlockedMinTokens && bf16_panel_elems(n_tok, d) <= capacity;
+}
+
+// The whole panel of x's n_tok rows, one tile per task of the caller's backend (be.tasks).
+template <class Be>
+inline void pack_bf16_panel(const Be& be, bf16* xp, const bf16* x, index_t ld_x, index_t n_tok,
+                            index_t d) {
+  be.tasks((n_tok + 3) / 4,
+           [&](std::int64_t p) { pack_bf16_panel_tile(xp, x, ld_x, n_tok, d, index_t(p)); });
+}
+
 // bf16_rows_dot<kAccumulate>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d, ·) with x given as
-// its panel (pack_bf16_panel_tile for every tile of the n_tok tokens): xp points at element k0 of
-// the first tile (xp = panel + 4 · k0, k0 % 32 == 0, for a reduction over x's [k0, k0 + d)),
-// ld_tile = bf16_panel_tile_elems of the packed width (elements from one tile to the next).
-// Rows [n_rows, n_rows_pf) of w exist and may be prefetched (the caller's next rows).
+// its panel (pack_bf16_panel, or pack_bf16_panel_tile for every tile of the n_tok tokens): xp
+// points at element k0 of the first tile (xp = panel + 4 · k0, k0 % 32 == 0, for a reduction over
+// x's [k0, k0 + d)), ld_tile = bf16_panel_tile_elems of the packed width (elements from one tile to
+// the next). Rows [n_rows, n_rows_pf) of w exist and may be prefetched (the caller's next rows).
 template <bool kAccumulate>
 TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_blocked(float* out, index_t ld_out,
                                                            const bf16* xp, index_t ld_tile,

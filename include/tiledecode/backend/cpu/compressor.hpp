@@ -122,14 +122,9 @@ struct backend_ops_compressor {
 #if TILEDECODE_X86
     // The blocked vdpbf16ps kernel reads x_n as a token panel, packed once here into the FP32
     // copy's space (unused on that path: 2·T·D BF16 elements), shared by every row task.
-    [[maybe_unused]] const bool panel = bf16_rows && T >= avx512::kBf16BlockedMinTokens &&
-                                        avx512::bf16_panel_elems(T, D) <= 2 * T * D;
+    [[maybe_unused]] const bool panel = bf16_rows && avx512::bf16_panel_fits(T, D, 2 * T * D);
     [[maybe_unused]] bf16* const xp = reinterpret_cast<bf16*>(ws.x32);
-    if (panel) {
-      be.tasks((T + 3) / 4, [&](std::int64_t p) {
-        avx512::pack_bf16_panel_tile(xp, a.x_n.data(), a.x_n.stride(0), T, D, p);
-      });
-    }
+    if (panel) avx512::pack_bf16_panel(be, xp, a.x_n.data(), a.x_n.stride(0), T, D);
 #endif
     if (!bf16_rows) {
       be.tasks(T, [&](std::int64_t t) {

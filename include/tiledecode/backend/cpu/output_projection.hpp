@@ -119,10 +119,9 @@ struct Avx512Ops : Avx2Ops {
   static constexpr bool kBf16Activations = true;  // wo_a reads the BF16 copy of o_packed
   // The copy is a token panel where a_chunk_bf16 takes the blocked kernel and the panel fits the
   // FP32 copy's space (2·T·K BF16 elements).
-  static bool panel(index_t T, index_t K) {
-    return T >= avx512::kBf16BlockedMinTokens && avx512::bf16_panel_elems(T, K) <= 2 * T * K;
-  }
+  static bool panel(index_t T, index_t K) { return avx512::bf16_panel_fits(T, K, 2 * T * K); }
   static index_t panel_elems(index_t T, index_t K) { return avx512::bf16_panel_elems(T, K); }
+  static index_t panel_tile_elems(index_t K) { return avx512::bf16_panel_tile_elems(K); }
   static void pack_panel_tile(bf16* xp, const bf16* x, index_t ld_x, index_t T, index_t K,
                               index_t p) {
     avx512::pack_bf16_panel_tile(xp, x, ld_x, T, K, p);
@@ -247,7 +246,7 @@ struct backend_ops_output_projection {
           if constexpr (Ops::kBf16Activations) {
             if (panel) {  // t0 = 0: every token at once
               Ops::a_chunk_bf16(s.orr + g * R + r0, G * R, ob + g * panel_elems + 4 * k0,
-                                Ops::panel_elems(4, K), nt, w + k0, x.wo_a.stride(1), nr, kc,
+                                Ops::panel_tile_elems(K), nt, w + k0, x.wo_a.stride(1), nr, kc,
                                 int(R - r0));
             } else {
               Ops::a_chunk_bf16(s.orr + (t0 * G + g) * R + r0, G * R, ob + (g * T + t0) * K + k0, K,

@@ -287,15 +287,10 @@ struct backend_ops_qkv_projection {
     // The blocked vdpbf16ps kernel reads x_n as a token panel, packed once here into the FP32
     // copy's space (unused on that path; a caller's contiguous (T, D) scratch), shared by every
     // column task.
-    [[maybe_unused]] const bool panel = rows && T >= avx512::kBf16BlockedMinTokens &&
-                                        s.x.is_contiguous() &&
-                                        avx512::bf16_panel_elems(T, D) <= 2 * s.x.size();
+    [[maybe_unused]] const bool panel =
+        rows && s.x.is_contiguous() && avx512::bf16_panel_fits(T, D, 2 * s.x.size());
     [[maybe_unused]] bf16* const xp = reinterpret_cast<bf16*>(s.x.data());
-    if (panel) {
-      be.tasks((T + 3) / 4, [&](std::int64_t p) {
-        avx512::pack_bf16_panel_tile(xp, a.x_n.data(), a.x_n.stride(0), T, D, p);
-      });
-    }
+    if (panel) avx512::pack_bf16_panel(be, xp, a.x_n.data(), a.x_n.stride(0), T, D);
 #endif
     if (!rows)
       for (index_t t = 0; t < T; ++t)
