@@ -591,13 +591,14 @@ TEST(CompressorTiers, Avx512Bf16DotMatchesGolden) {
 // vdpbf16ps rows: bf16_rows_dot_blocked (from kBf16BlockedMinTokens tokens, on the token panel)
 // against bf16_rows_dot, every output bit, for token counts around the 4-token tiles, the 8-token
 // lane sums and the 64-token chunks, row counts around the 6-row blocks, reductions with a
-// partial last block of 1024 and shorter than one (and a width that is no multiple of 32), both
-// = and +=: a request's projection does not depend on its batch.
+// partial last block of 1024 and shorter than one (and a width that is no multiple of 32), with
+// whole fold groups of 2 k-blocks (4096) and a last group of one (4650: 5 blocks), both = and +=:
+// a request's projection does not depend on its batch.
 TEST(CompressorTiers, Avx512Bf16RowsBlockedBitIdentical) {
   if (!td::cpu::cpu_supports(td::cpu::Isa::avx512))
     GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
   tdtest::Rng rng(92);
-  for (index_t d : {4096, 1050, 32})
+  for (index_t d : {4096, 4650, 1050, 32})
     for (index_t rows : {13, 6, 4, 1})
       for (index_t T : {16, 17, 23, 64, 71, 130}) {
         std::vector<bf16> x(std::size_t(T * d)), w(std::size_t(rows * d));

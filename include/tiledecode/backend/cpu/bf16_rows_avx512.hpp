@@ -52,12 +52,17 @@ TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline __m512bh load32(c
 }
 
 // One block [k0, k1) of the NR × NT register tile (k1 - k0 <= kBf16DotBlock): FP32 lane partials
-// from +0, added at the end to the double lanes lane(r, t)[0..16). With ahead and self (the
-// prefetch schedule of the pass over n), their prefetches are issued once per 32 k. Token t's
-// elements [k, k + 32) are at x + t·ld_x + kXStep·k: rows (kXStep = 1) or a token panel tile
-// (kXStep = 4, ld_x = 32: pack_bf16_panel_tile).
-template <int NR, int NT, int kXStep = 1, class Lane>
-TILEDECODE_TARGET_AVX512 inline void tile_block(Lane&& lane, const bf16* w, index_t ld_w,
+// from +0, handed at the end to flush(r, t, partial) (the caller adds them to its double lanes).
+// With ahead and self (the prefetch schedule of the pass over n), their prefetches are issued once
+// per 32 k. Token t's elements [k, k + 32) are at x + t·ld_x + kXStep·k: rows (kXStep = 1) or a
+// token panel tile (kXStep = 4, ld_x = 32: pack_bf16_panel_tile). Per 32 k, kStreamW: the NT
+// activation vectors are loaded first, then each weight row once, used at once (NR·NT accumulators
+// + NT + 1 registers; the blocked kernel, weights in L1: 3-5 % faster on Zen 5); else the NR
+// weight vectors are held and the activations loaded one at a time (the row kernel, weights from
+// memory: the other order made a T = 8 compressor call 15 % slower). The bits do not depend on
+// it: every accumulator adds its products in ascending k either way.
+template <int NR, int NT, int kXStep = 1, bool kStreamW = false, class Flush>
+TILEDECODE_TARGET_AVX512 inline void tile_block(Flush&& flush, const bf16* w, index_t ld_w,
                                                 const bf16* x, index_t ld_x, index_t k0, index_t k1,
                                                 index_t n = 0, const Prefetch* ahead = nullptr,
                                                 const Prefetch* self = nullptr) {
@@ -69,11 +74,20 @@ TILEDECODE_TARGET_AVX512 inline void tile_block(Lane&& lane, const bf16* w, inde
       prefetch_at(*ahead, k, n);
       prefetch_at(*self, k, n);
     }
-    __m512bh v[NR];
-    for (int r = 0; r < NR; ++r) v[r] = load32<kMasked>(w + r * ld_w, k, k1);
-    for (int t = 0; t < NT; ++t) {
-      const __m512bh xv = load32<kMasked>(x + t * ld_x + (kXStep - 1) * k, k, k1);
-      for (int r = 0; r < NR; ++r) c[r][t] = _mm512_dpbf16_ps(c[r][t], v[r], xv);
+    if constexpr (kStreamW) {
+      __m512bh xv[NT];
+      for (int t = 0; t < NT; ++t) xv[t] = load32<kMasked>(x + t * ld_x + (kXStep - 1) * k, k, k1);
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh v = load32<kMasked>(w + r * ld_w, k, k1);
+        for (int t = 0; t < NT; ++t) c[r][t] = _mm512_dpbf16_ps(c[r][t], v, xv[t]);
+      }
+    } else {
+      __m512bh v[NR];
+      for (int r = 0; r < NR; ++r) v[r] = load32<kMasked>(w + r * ld_w, k, k1);
+      for (int t = 0; t < NT; ++t) {
+        const __m512bh xv = load32<kMasked>(x + t * ld_x + (kXStep - 1) * k, k, k1);
+        for (int r = 0; r < NR; ++r) c[r][t] = _mm512_dpbf16_ps(c[r][t], v[r], xv);
+      }
     }
   };
   // A block of whole steps (every block but a last one with d % 32 != 0) runs without the tail
@@ -86,7 +100,7 @@ TILEDECODE_TARGET_AVX512 inline void tile_block(Lane&& lane, const bf16* w, inde
     step.template operator()<true>(k);
   }
   for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) add_to_f64(lane(r, t), c[r][t]);
+    for (int t = 0; t < NT; ++t) flush(r, t, c[r][t]);
 }
 
 // sums[r][t] = Σ_k w[r*ld_w + k] * x[t*ld_x + k], k < n, in the order at the top.
@@ -96,8 +110,9 @@ TILEDECODE_TARGET_AVX512 inline void tile(double (*sums)[kBf16TileTokens], const
                                           const Prefetch& ahead, const Prefetch& self) {
   alignas(64) double lanes[NR][NT][16] = {};
   for (index_t k = 0; k < n; k += kBf16DotBlock)
-    tile_block<NR, NT>([&](int r, int t) { return lanes[r][t]; }, w, ld_w, x, ld_x, k,
-                       std::min<index_t>(n, k + kBf16DotBlock), n, &ahead, &self);
+    tile_block<NR, NT>(
+        [&](int r, int t, __m512 c) TILEDECODE_TARGET_AVX512 { add_to_f64(lanes[r][t], c); }, w,
+        ld_w, x, ld_x, k, std::min<index_t>(n, k + kBf16DotBlock), n, &ahead, &self);
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) {
       double s = 0.0;
@@ -140,21 +155,29 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot(float* out, index_t ld_out, c
 // tile's rows contend for it: the same tile on the panel ran 25 % faster (Zen 5, 24 rows x 64 and
 // 128 tokens, in L2: 257-270 -> 324-343 GFLOP/s).
 // Loop nest: per chunk of kBlockedChunkTokens tokens (their panel, 64 × 8 KB at d = 4096, stays in
-// L2), per block of kBlockedRows rows (the chunk's double lanes for them: 64 × 6 × 16 × 8 B =
-// 48 KB of stack), per k-block of kBf16DotBlock (the rows' 6 × 2 KB segment stays in L1 while every
-// token tile of the chunk runs it), register tiles of 6 rows × 4 tokens (24 accumulators; per
-// 32 k: 6 weight loads from L1, 4 activation loads from L2, 24 vdpbf16ps). Each weight row is
-// read from memory once per chunk. The double lanes of 8 tokens × 1 row are summed at the end as
-// one 8-wide vector per lane index (two 8 × 8 transposes): each output's sum is still
-// ((0 + lane 0) + lane 1) + ... + lane 15, without 16 dependent scalar additions per output.
-// The tile's shape is the faster of those measured on Zen 5 (interleaved, CSA compressor T = 128
-// / 512, one thread): 6 × 4 7.7–8.1 / 32.8–37.4 ms, 4 × 6 9.0–10.6 / 36.7–41.9 ms (fewer loads
-// from L2 per vdpbf16ps); 5 × 5 and chunks of 32, 96 or 128 tokens were slower, 8 × 3 spills.
+// L2), per block of kBlockedRows rows, per group of kBlockedFoldBlocks k-blocks, per k-block of
+// kBf16DotBlock (the rows' 6 × 2 KB segment stays in L1 while every token tile of the chunk runs
+// it), register tiles of 6 rows × 4 tokens (24 accumulators; per 32 k: 4 activation loads from
+// L2, 6 weight loads from L1, 24 vdpbf16ps). Each weight row is read from memory once per chunk.
+// A tile's FP32 lane partials of a k-block are stored as they are (part: 64 × 6 × 2 × 64 B =
+// 48 KB of stack, write only), and folded into the double lanes (another 48 KB) once per group:
+// the same additions in the same order as add_to_f64 per k-block, but the double lanes are read
+// and written once per 2 k-blocks instead of once per k-block, and the fold of the last group
+// feeds the final sums directly. Zen 5, 2048 rows × 4096 in 24-row calls, T = 128 / 512, one
+// thread, interleaved: add_to_f64 per k-block 288 / 288 GFLOP/s, this nest 318 / 321 (a fold per
+// k-block: 268 / 275, no gain; groups of 4: the same as 2). The double lanes of 8 tokens × 1 row
+// are summed at the end as one 8-wide vector per lane index (two 8 × 8 transposes): each output's
+// sum is still ((0 + lane 0) + lane 1) + ... + lane 15, without 16 dependent scalar additions per
+// output. The tile's shape is the fastest of those measured on Zen 5 (CSA compressor T = 128 /
+// 512, one thread): 6 × 4 7.7–8.1 / 32.8–37.4 ms, 4 × 6 9.0–10.6 / 36.7–41.9 ms (fewer loads from
+// L2 per vdpbf16ps); 5 × 5 and chunks of 32, 96 or 128 tokens were slower, 8 × 3 spills with the
+// weights held (and with them streamed, as now: 8 × 3 and 12 × 2 ran 10-20 % slower than 6 × 4).
 namespace bf16_rows_blocked_detail {
 
 inline constexpr int kBlockedRows = 6;          // rows per register tile and L1 weight block
 inline constexpr int kBlockedTileTokens = 4;    // tokens per register tile and panel tile
 inline constexpr int kBlockedChunkTokens = 64;  // tokens per chunk of double lanes
+inline constexpr int kBlockedFoldBlocks = 2;    // k-blocks per fold into the double lanes
 
 // s[i] = ((0 + a_i[0]) + a_i[1]) + ... + a_i[15] for the 8 lane rows a_i = lanes[i] (16 doubles
 // each, 64-byte aligned, ld doubles apart), lane for lane as the scalar loop.
@@ -246,62 +269,91 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_blocked(float* out, index_t l
                                                            index_t ld_w, index_t n_rows, index_t d,
                                                            index_t n_rows_pf) {
   using namespace bf16_rows_blocked_detail;
-  constexpr int R = kBlockedRows, TT = kBlockedTileTokens;
-  alignas(64) double lanes[kBlockedChunkTokens][R][16];
-  for (index_t c0 = 0; c0 < n_tok; c0 += kBlockedChunkTokens) {
-    const int nc = int(std::min<index_t>(kBlockedChunkTokens, n_tok - c0));
+  constexpr int R = kBlockedRows, TT = kBlockedTileTokens, C = kBlockedChunkTokens;
+  constexpr int G = kBlockedFoldBlocks;
+  alignas(64) float part[C][R][G][16];  // a fold group's FP32 partials (48 KB)
+  alignas(64) double lanes[C][R][16];   // the double lanes between fold groups (48 KB)
+  const index_t n_blocks = (d + kBf16DotBlock - 1) / kBf16DotBlock;
+  for (index_t c0 = 0; c0 < n_tok; c0 += C) {
+    const int nc = int(std::min<index_t>(C, n_tok - c0));
     for (index_t r0 = 0; r0 < n_rows; r0 += R) {
       const int nr = int(std::min<index_t>(R, n_rows - r0));
-      for (int t = 0; t < nc; ++t)
-        for (int r = 0; r < R; ++r)
-          for (int i = 0; i < 16; i += 8) _mm512_store_pd(&lanes[t][r][i], _mm512_setzero_pd());
       // In the first chunk the rows come from memory: the next block's rows (up to n_rows_pf)
       // are prefetched into L2 a k-block's segment at a time, spread over the token tiles (6 ×
       // 2 KB per 16 tiles at 64 tokens), while this block's run.
       const index_t pf_rows = c0 == 0 ? std::clamp<index_t>(n_rows_pf - (r0 + R), 0, R) : 0;
-      for (index_t k0 = 0; k0 < d; k0 += kBf16DotBlock) {
-        const index_t k1 = std::min<index_t>(d, k0 + kBf16DotBlock);
-        // The block's pf_rows × (k1 - k0) / 32 lines, row-major by k, a quota per tile.
-        const index_t pf_lines = pf_rows * ((k1 - k0 + 31) / 32), n_tiles = (nc + TT - 1) / TT;
-        const index_t quota = (pf_lines + n_tiles - 1) / n_tiles;
-        index_t pf_done = 0, pf_r = 0, pf_k = k0;
-        for (int t0 = 0; t0 < nc; t0 += TT) {
-          const int nt = std::min(TT, nc - t0);
-          for (const index_t end = std::min(pf_lines, pf_done + quota); pf_done < end; ++pf_done) {
-            _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + R + pf_r) * ld_w + pf_k),
-                         _MM_HINT_T1);
-            if (++pf_r == pf_rows) {
-              pf_r = 0;
-              pf_k += 32;
+      for (index_t g0 = 0; g0 < n_blocks; g0 += G) {
+        const int ng = int(std::min<index_t>(G, n_blocks - g0));
+        for (int b = 0; b < ng; ++b) {
+          const index_t k0 = (g0 + b) * kBf16DotBlock;
+          const index_t k1 = std::min<index_t>(d, k0 + kBf16DotBlock);
+          // The block's pf_rows × (k1 - k0) / 32 lines, row-major by k, a quota per tile.
+          const index_t pf_lines = pf_rows * ((k1 - k0 + 31) / 32), n_tiles = (nc + TT - 1) / TT;
+          const index_t quota = (pf_lines + n_tiles - 1) / n_tiles;
+          index_t pf_done = 0, pf_r = 0, pf_k = k0;
+          for (int t0 = 0; t0 < nc; t0 += TT) {
+            const int nt = std::min(TT, nc - t0);
+            for (const index_t end = std::min(pf_lines, pf_done + quota); pf_done < end;
+                 ++pf_done) {
+              _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + R + pf_r) * ld_w + pf_k),
+                           _MM_HINT_T1);
+              if (++pf_r == pf_rows) {
+                pf_r = 0;
+                pf_k += 32;
+              }
             }
-          }
-          const bf16* tile = xp + ((c0 + t0) / TT) * ld_tile;
-          with_static_count<R>(nr, [&]<int NR>() TILEDECODE_TARGET_AVX512 {
-            with_static_count<TT>(nt, [&]<int NT>() TILEDECODE_TARGET_AVX512 {
-              bf16_rows_detail::tile_block<NR, NT, TT>(
-                  [&](int r, int t) { return lanes[t0 + t][r]; }, w + r0 * ld_w, ld_w, tile, 32, k0,
-                  k1);
+            const bf16* tile = xp + ((c0 + t0) / TT) * ld_tile;
+            with_static_count<R>(nr, [&]<int NR>() TILEDECODE_TARGET_AVX512 {
+              with_static_count<TT>(nt, [&]<int NT>() TILEDECODE_TARGET_AVX512 {
+                bf16_rows_detail::tile_block<NR, NT, TT, true>(
+                    [&](int r, int t, __m512 c)
+                        TILEDECODE_TARGET_AVX512 { _mm512_store_ps(part[t0 + t][r][b], c); },
+                    w + r0 * ld_w, ld_w, tile, 32, k0, k1);
+              });
             });
-          });
+          }
         }
+        // The double lanes of (t, r) after this group: ((lanes + p_0) + p_1) + ..., from +0 in
+        // the first group, i.e. add_to_f64 of every block's partial in block order.
+        const bool first = g0 == 0, last = g0 + ng == n_blocks;
+        const auto fold = [&](int t, int r, double* dst) TILEDECODE_TARGET_AVX512 {
+          __m512d lo = first ? _mm512_setzero_pd() : _mm512_load_pd(lanes[t][r]);
+          __m512d hi = first ? _mm512_setzero_pd() : _mm512_load_pd(lanes[t][r] + 8);
+          for (int b = 0; b < ng; ++b) {
+            const __m512 p = _mm512_load_ps(part[t][r][b]);
+            const __m256 ph = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1));
+            lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(p)));
+            hi = _mm512_add_pd(hi, _mm512_cvtps_pd(ph));
+          }
+          _mm512_store_pd(dst, lo);
+          _mm512_store_pd(dst + 8, hi);
+        };
+        if (!last) {
+          for (int t = 0; t < nc; ++t)
+            for (int r = 0; r < nr; ++r) fold(t, r, lanes[t][r]);
+          continue;
+        }
+        const auto emit = [&](int t, int r, double s) {
+          float& o = out[(c0 + t) * ld_out + r0 + r];
+          o = kAccumulate ? float(double(o) + s) : float(s);
+        };
+        int t = 0;
+        for (; t + 8 <= nc; t += 8)
+          for (int r = 0; r < nr; ++r) {
+            alignas(64) double l8[8][16], s[8];
+            for (int i = 0; i < 8; ++i) fold(t + i, r, l8[i]);
+            _mm512_store_pd(s, sum_lanes8(l8[0], 16));
+            for (int i = 0; i < 8; ++i) emit(t + i, r, s[i]);
+          }
+        for (; t < nc; ++t)
+          for (int r = 0; r < nr; ++r) {
+            alignas(64) double l1[16];
+            fold(t, r, l1);
+            double s = 0.0;
+            for (int l = 0; l < 16; ++l) s += l1[l];
+            emit(t, r, s);
+          }
       }
-      const auto emit = [&](int t, int r, double s) {
-        float& o = out[(c0 + t) * ld_out + r0 + r];
-        o = kAccumulate ? float(double(o) + s) : float(s);
-      };
-      int t = 0;
-      for (; t + 8 <= nc; t += 8)
-        for (int r = 0; r < nr; ++r) {
-          alignas(64) double s[8];
-          _mm512_store_pd(s, sum_lanes8(lanes[t][r], R * 16));
-          for (int i = 0; i < 8; ++i) emit(t + i, r, s[i]);
-        }
-      for (; t < nc; ++t)
-        for (int r = 0; r < nr; ++r) {
-          double s = 0.0;
-          for (int l = 0; l < 16; ++l) s += lanes[t][r][l];
-          emit(t, r, s);
-        }
     }
   }
 }
