@@ -319,12 +319,7 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_blocked(float* out, index_t l
         const auto fold = [&](int t, int r, double* dst) TILEDECODE_TARGET_AVX512 {
           __m512d lo = first ? _mm512_setzero_pd() : _mm512_load_pd(lanes[t][r]);
           __m512d hi = first ? _mm512_setzero_pd() : _mm512_load_pd(lanes[t][r] + 8);
-          for (int b = 0; b < ng; ++b) {
-            const __m512 p = _mm512_load_ps(part[t][r][b]);
-            const __m256 ph = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1));
-            lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(p)));
-            hi = _mm512_add_pd(hi, _mm512_cvtps_pd(ph));
-          }
+          for (int b = 0; b < ng; ++b) add_to_f64(lo, hi, _mm512_load_ps(part[t][r][b]));
           _mm512_store_pd(dst, lo);
           _mm512_store_pd(dst + 8, hi);
         };

@@ -48,15 +48,26 @@ TILEDECODE_TARGET_AVX512 inline __m512i u8_offset() {
   return _mm512_set1_epi8(static_cast<char>(0x80));
 }
 
+// (lo, hi) += double(s[0..8)), double(s[8..16)) lane for lane: the widening add of an FP32
+// partial into its double accumulator held in registers (the conversion is exact; one rounding
+// per lane, in the add).
+TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline void add_to_f64(__m512d& lo,
+                                                                               __m512d& hi,
+                                                                               __m512 s) {
+  const __m256 shi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));
+  lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(s)));
+  hi = _mm512_add_pd(hi, _mm512_cvtps_pd(shi));
+}
+
 // d[0..16) += double(s[0..16)) lane for lane (d unaligned): the flush of an FP32 partial into its
 // double accumulator in the two-level summation orders (one rounding per lane, as avx2's
 // add_to_f64 / flush per 8 lanes).
 TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline void add_to_f64(double* d,
                                                                                __m512 s) {
-  const __m256 lo = _mm512_castps512_ps256(s);
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));
-  _mm512_storeu_pd(d, _mm512_add_pd(_mm512_loadu_pd(d), _mm512_cvtps_pd(lo)));
-  _mm512_storeu_pd(d + 8, _mm512_add_pd(_mm512_loadu_pd(d + 8), _mm512_cvtps_pd(hi)));
+  __m512d lo = _mm512_loadu_pd(d), hi = _mm512_loadu_pd(d + 8);
+  add_to_f64(lo, hi, s);
+  _mm512_storeu_pd(d, lo);
+  _mm512_storeu_pd(d + 8, hi);
 }
 
 // The sum of the two 256-bit halves, lane for lane (int32; exact up to INT32).
