@@ -11,6 +11,7 @@
 // rows (the kernel's workspace guarantees it). Every function here must only be called after the
 // runtime AVX2 check (ctx.isa == Isa::avx2).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +19,35 @@
 #include "tiledecode/backend/cpu/isa.hpp"
 #include "tiledecode/backend/cpu/simd/avx2.hpp"
 #include "tiledecode/core/bf16.hpp"
+
+namespace tiledecode::cpu {
+
+// The probability check of softmax_block (every tier; backend/cpu/sparse_attention.hpp, "Exact
+// probabilities"): besides P = bf16(e), each head's block argmax and, per column j, a bit per head
+// whose e lies within
+//   band = band_q[h] · (knorm[j] + kmax) + 2 · (|s − m| + |m|) + kExpUlps     FP32 ulps of e
+// of a BF16 rounding midpoint (e's low 16 bits against 0x8000), i.e. whose P the FP32 errors of
+// the score, of the maximum, of the subtraction and of the exp may have rounded the other way.
+// Every tier computes band and the distance with the same FP32 operations per lane, so the
+// flags are the same bits on every tier (the exp differs on the scalar tier: its e are its own).
+struct SoftmaxFlags {
+  const float* band_q;   // per head (index h of the call)
+  const float* knorm;    // per column: ||k_j||
+  float kmax;            // max_j knorm
+  int* jmax;             // out, per head: the first column with s == m (0 if none is above)
+  std::uint64_t* flags;  // out, per column: bit (shift + h) set where flagged; caller zeroes
+  int shift;             // first head of the call within the caller's 64-head tile
+};
+inline constexpr float kExpUlps = 4.0f;  // the exps' error in FP32 ulps, with margin (both ~1)
+
+// l[0] + l[1] + ... + l[31], in that order: the row norms' lane sum (every tier).
+inline float sum_lanes32(const float* l) {
+  float s = 0.0f;
+  for (int i = 0; i < 32; ++i) s += l[i];
+  return s;
+}
+
+}  // namespace tiledecode::cpu
 
 #if TILEDECODE_X86
 namespace tiledecode::cpu::avx2 {
@@ -64,15 +94,32 @@ TILEDECODE_TARGET_AVX2 inline __m256 round_bf16_ps(__m256 v) {
 }
 
 // kf[i, 0:dim] = float(rows[i][0:dim]) for i < n. dim % 16 == 0.
+// With k2 (dim % 32 == 0): also k2[i] = ||kf[i, 0:dim]||², 32 FP32 lanes (lane l: the squares of
+// d ≡ l mod 32, ascending d, FMA) summed in ascending l, the flag band's row norms (the avx512
+// tier's load keeps these lanes: the same bits).
 TILEDECODE_TARGET_AVX2 inline void sa_load_rows(float* kf, int ldk, const bf16* const* rows, int n,
-                                                int dim) {
+                                                int dim, float* k2 = nullptr) {
   for (int i = 0; i < n; ++i) {
     const bf16* src = rows[i];
     float* dst = kf + std::int64_t(i) * ldk;
-    for (int d = 0; d < dim; d += 16) {
-      _mm256_store_ps(dst + d, load_bf16x8(src + d));
-      _mm256_store_ps(dst + d + 8, load_bf16x8(src + d + 8));
+    if (k2 == nullptr) {
+      for (int d = 0; d < dim; d += 16) {
+        _mm256_store_ps(dst + d, load_bf16x8(src + d));
+        _mm256_store_ps(dst + d + 8, load_bf16x8(src + d + 8));
+      }
+      continue;
     }
+    __m256 acc[4];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int d = 0; d < dim; d += 32)
+      for (int c = 0; c < 4; ++c) {
+        const __m256 x = load_bf16x8(src + d + 8 * c);
+        _mm256_store_ps(dst + d + 8 * c, x);
+        acc[c] = _mm256_fmadd_ps(x, x, acc[c]);
+      }
+    alignas(32) float l[32];
+    for (int c = 0; c < 4; ++c) _mm256_store_ps(l + 8 * c, acc[c]);
+    k2[i] = sum_lanes32(l);
   }
 }
 
@@ -152,22 +199,104 @@ TILEDECODE_TARGET_AVX2 inline void sa_qk(float* st, int lds, const float* qt, in
 // nh % 8 == 0.
 // A NaN score may drop out of mb (max_ps), but its own exp is NaN, so lb and the head's row are
 // NaN, as on the scalar tier (docs/security.md, "Numerics policy").
-TILEDECODE_TARGET_AVX2 inline void sa_softmax_block(float* st, int lds, int nh, int nc, float floor,
-                                                    float* mb, float* lb) {
+template <bool kFlag>
+TILEDECODE_TARGET_AVX2 inline void softmax_block_impl(float* st, int lds, int nh, int nc,
+                                                      float floor, float* mb, float* lb,
+                                                      const SoftmaxFlags* f) {
   for (int h = 0; h < nh; h += 8) {
     float* col = st + h;
     __m256 m = _mm256_max_ps(_mm256_set1_ps(floor), _mm256_load_ps(col));
-    for (int j = 1; j < nc; ++j) m = _mm256_max_ps(m, _mm256_load_ps(col + std::int64_t(j) * lds));
-    __m256 sum = _mm256_setzero_ps();
+    __m256i arg = _mm256_setzero_si256();
+    for (int j = 1; j < nc; ++j) {
+      const __m256 v = _mm256_load_ps(col + std::int64_t(j) * lds);
+      if constexpr (kFlag)
+        arg = _mm256_blendv_epi8(arg, _mm256_set1_epi32(j),
+                                 _mm256_castps_si256(_mm256_cmp_ps(v, m, _CMP_GT_OQ)));
+      m = _mm256_max_ps(m, v);
+    }
+    __m256 sum = _mm256_setzero_ps(), bq = _mm256_setzero_ps(), am = _mm256_setzero_ps();
+    if constexpr (kFlag) {
+      bq = _mm256_loadu_ps(f->band_q + h);
+      am = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), m);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(f->jmax + h), arg);
+    }
     for (int j = 0; j < nc; ++j) {
       float* x = col + std::int64_t(j) * lds;
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(x), m));
+      const __m256 xm = _mm256_sub_ps(_mm256_load_ps(x), m);
+      const __m256 e = exp_nonpositive(xm);
       sum = _mm256_add_ps(sum, e);
       _mm256_store_ps(x, round_bf16_ps(e));
+      if constexpr (kFlag) {
+        const __m256i low = _mm256_and_si256(_mm256_castps_si256(e), _mm256_set1_epi32(0xffff));
+        const __m256 dist =
+            _mm256_cvtepi32_ps(_mm256_abs_epi32(_mm256_sub_epi32(low, _mm256_set1_epi32(0x8000))));
+        const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), xm);
+        const __m256 band =
+            _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(bq, _mm256_set1_ps(f->knorm[j] + f->kmax)),
+                                        _mm256_mul_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(ax, am))),
+                          _mm256_set1_ps(kExpUlps));
+        const int mask = _mm256_movemask_ps(_mm256_cmp_ps(dist, band, _CMP_LE_OQ));
+        if (mask != 0) f->flags[j] |= std::uint64_t(unsigned(mask)) << (f->shift + h);
+      }
     }
     _mm256_storeu_ps(mb + h, m);
     _mm256_storeu_ps(lb + h, sum);
   }
+}
+
+// With f (SoftmaxFlags, above): also f->jmax[h] and the flags of the probabilities that may round
+// otherwise than the exact ones; P, mb and lb are the same bits either way.
+TILEDECODE_TARGET_AVX2 inline void sa_softmax_block(float* st, int lds, int nh, int nc, float floor,
+                                                    float* mb, float* lb,
+                                                    const SoftmaxFlags* f = nullptr) {
+  if (f != nullptr)
+    softmax_block_impl<true>(st, lds, nh, nc, floor, mb, lb, f);
+  else
+    softmax_block_impl<false>(st, lds, nh, nc, floor, mb, lb, f);
+}
+
+// q2[h] = Σ_d qt[d, h]² for h < nh (nh % 8 == 0): per head two FMA chains, over the even and
+// the odd d in ascending order, added at the end; the flag band's query norms (both vector tiers
+// run this function).
+TILEDECODE_TARGET_AVX2 inline void sa_q_sumsq(float* q2, const float* qt, int ldq, int nh,
+                                              int dim) {
+  for (int h = 0; h < nh; h += 64) {
+    const int nv = std::min(8, (nh - h) / 8);
+    __m256 acc[2][8];
+    for (auto& r : acc)
+      for (auto& a : r) a = _mm256_setzero_ps();
+    for (int d = 0; d < dim; ++d)
+      for (int v = 0; v < nv; ++v) {
+        const __m256 x = _mm256_loadu_ps(qt + std::int64_t(d) * ldq + h + 8 * v);
+        acc[d % 2][v] = _mm256_fmadd_ps(x, x, acc[d % 2][v]);
+      }
+    for (int v = 0; v < nv; ++v)
+      _mm256_storeu_ps(q2 + h + 8 * v, _mm256_add_ps(acc[0][v], acc[1][v]));
+  }
+}
+
+// Σ_d q[d] · k[d] (BF16 q, FP32 k holding BF16 values, n % 32 == 0) accurately: each product is
+// exact in FP32 (8 + 8 significant bits), is widened to double and added to lane d mod 32
+// (ascending d); the 32 lanes l[] are then summed as
+//   a_i = (l[i] + l[i+16]) + (l[i+8] + l[i+24]), b_i = a_i + a_{i+4}, c_i = b_i + b_{i+2},
+//   result = c_0 + c_1
+// (ExactDotLanes::sum; the avx512 tier keeps the lanes and the tree: one bits). Its error,
+// ≲ 2⁻⁴⁷ · Σ|q·k|, is far below an FP32 ulp of the score.
+TILEDECODE_TARGET_AVX2 inline double sa_exact_dot(const bf16* q, const float* k, int n) {
+  __m256d acc[8];  // acc[j]: lanes 4j .. 4j + 3
+  for (auto& a : acc) a = _mm256_setzero_pd();
+  for (int d = 0; d < n; d += 32)
+    for (int c = 0; c < 4; ++c) {
+      const __m256 p = _mm256_mul_ps(load_bf16x8(q + d + 8 * c), _mm256_loadu_ps(k + d + 8 * c));
+      acc[2 * c] = _mm256_add_pd(acc[2 * c], _mm256_cvtps_pd(_mm256_castps256_ps128(p)));
+      acc[2 * c + 1] = _mm256_add_pd(acc[2 * c + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1)));
+    }
+  // a_0..3 and a_4..7, then b, c and the result.
+  const __m256d a_lo = _mm256_add_pd(_mm256_add_pd(acc[0], acc[4]), _mm256_add_pd(acc[2], acc[6]));
+  const __m256d a_hi = _mm256_add_pd(_mm256_add_pd(acc[1], acc[5]), _mm256_add_pd(acc[3], acc[7]));
+  const __m256d b = _mm256_add_pd(a_lo, a_hi);
+  const __m128d c = _mm_add_pd(_mm256_castpd256_pd128(b), _mm256_extractf128_pd(b, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(c, _mm_unpackhi_pd(c, c)));
 }
 
 // O tile of NH heads × 16 dims: acc = Σ_j p[j, h] · kf[j, d0:d0+16]; o = α·o + γ·acc (o = γ·acc
@@ -270,10 +399,14 @@ TILEDECODE_TARGET_AVX2 inline void sa_load_q_transposed(float* qt, int ldq, cons
     }
 }
 
-// dst[d] = bf16(src[d] / den) for d < n (n % 8 == 0); division and rounding as in scalar code.
-TILEDECODE_TARGET_AVX2 inline void sa_divide_round(bf16* dst, const float* src, float den, int n) {
-  const __m256 dv = _mm256_set1_ps(den);
-  for (int d = 0; d < n; d += 8) store_bf16x8(dst + d, _mm256_div_ps(_mm256_loadu_ps(src + d), dv));
+// dst[d] = bf16(float(double(src[d]) · rden)) for d < n (n % 8 == 0), as in scalar code.
+TILEDECODE_TARGET_AVX2 inline void sa_scale_round(bf16* dst, const float* src, double rden, int n) {
+  const __m256d r = _mm256_set1_pd(rden);
+  for (int d = 0; d < n; d += 8) {
+    const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(src + d)), r));
+    const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(src + d + 4)), r));
+    store_bf16x8(dst + d, _mm256_set_m128(hi, lo));
+  }
 }
 
 }  // namespace tiledecode::cpu::avx2

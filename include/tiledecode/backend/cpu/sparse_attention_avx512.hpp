@@ -68,16 +68,49 @@ TILEDECODE_TARGET_AVX512 inline __m512 round_bf16_ps(__m512 v) {
 }
 
 // kf[i, 0:dim] = float(rows[i][0:dim]) for i < n. dim % 16 == 0.
+// 16 BF16 values widened to FP32.
+TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline __m512 widen16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 TILEDECODE_TARGET_AVX512 inline void sa_load_rows(float* kf, int ldk, const bf16* const* rows,
-                                                  int n, int dim) {
+                                                  int n, int dim, float* k2 = nullptr) {
   for (int i = 0; i < n; ++i) {
     const bf16* src = rows[i];
     float* dst = kf + std::int64_t(i) * ldk;
-    for (int d = 0; d < dim; d += 16) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
-      _mm512_store_ps(dst + d,
-                      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    if (k2 == nullptr) {
+      for (int d = 0; d < dim; d += 16) _mm512_store_ps(dst + d, widen16(src + d));
+      continue;
     }
+    // avx2::sa_load_rows' 32 lanes of squares: lanes 0-15 in acc[0], 16-31 in acc[1].
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int d = 0; d < dim; d += 32)
+      for (int c = 0; c < 2; ++c) {
+        const __m512 x = widen16(src + d + 16 * c);
+        _mm512_store_ps(dst + d + 16 * c, x);
+        acc[c] = _mm512_fmadd_ps(x, x, acc[c]);
+      }
+    alignas(64) float l[32];
+    _mm512_store_ps(l, acc[0]);
+    _mm512_store_ps(l + 16, acc[1]);
+    k2[i] = sum_lanes32(l);
+  }
+}
+
+// dst[d] = bf16(float(double(src[d]) · rden)) (avx2::sa_scale_round on 16 lanes, n % 16 == 0).
+TILEDECODE_TARGET_AVX512 inline void sa_scale_round(bf16* dst, const float* src, double rden,
+                                                    int n) {
+  const __m512d r = _mm512_set1_pd(rden);
+  for (int d = 0; d < n; d += 16) {
+    const __m256 lo = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(src + d)), r));
+    const __m256 hi =
+        _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(src + d + 8)), r));
+    const __m512 v = _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(dst + d),
+        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_ps(v)), 16)));
   }
 }
 
@@ -135,25 +168,92 @@ TILEDECODE_TARGET_AVX512 inline void sa_qk(float* st, int lds, const float* qt, 
   if (h < nh) avx2::qk_cols<1>(st + h, lds, qt + h, ldq, kf, ldk, nc, dim, scale);
 }
 
-// avx2::sa_softmax_block's contract, 16 heads per vector (an 8-head remainder on AVX2).
-TILEDECODE_TARGET_AVX512 inline void sa_softmax_block(float* st, int lds, int nh, int nc,
-                                                      float floor, float* mb, float* lb) {
+// avx2::sa_softmax_block's contract, 16 heads per vector (an 8-head remainder on AVX2); with f,
+// the same flags and argmax, by the same FP32 operations per lane.
+template <bool kFlag>
+TILEDECODE_TARGET_AVX512 inline void softmax_block_impl(float* st, int lds, int nh, int nc,
+                                                        float floor, float* mb, float* lb,
+                                                        const SoftmaxFlags* f) {
   int h = 0;
   for (; h + 16 <= nh; h += 16) {
     float* col = st + h;
     __m512 m = _mm512_max_ps(_mm512_set1_ps(floor), _mm512_load_ps(col));
-    for (int j = 1; j < nc; ++j) m = _mm512_max_ps(m, _mm512_load_ps(col + std::int64_t(j) * lds));
-    __m512 sum = _mm512_setzero_ps();
+    __m512i arg = _mm512_setzero_si512();
+    for (int j = 1; j < nc; ++j) {
+      const __m512 v = _mm512_load_ps(col + std::int64_t(j) * lds);
+      if constexpr (kFlag)
+        arg = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, m, _CMP_GT_OQ), arg,
+                                      _mm512_set1_epi32(j));
+      m = _mm512_max_ps(m, v);
+    }
+    __m512 sum = _mm512_setzero_ps(), bq = _mm512_setzero_ps(), am = _mm512_setzero_ps();
+    if constexpr (kFlag) {
+      bq = _mm512_loadu_ps(f->band_q + h);
+      am = _mm512_abs_ps(m);
+      _mm512_storeu_si512(f->jmax + h, arg);
+    }
     for (int j = 0; j < nc; ++j) {
       float* x = col + std::int64_t(j) * lds;
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(x), m));
+      const __m512 xm = _mm512_sub_ps(_mm512_load_ps(x), m);
+      const __m512 e = exp_nonpositive(xm);
       sum = _mm512_add_ps(sum, e);
       _mm512_store_ps(x, round_bf16_ps(e));
+      if constexpr (kFlag) {
+        const __m512i low = _mm512_and_si512(_mm512_castps_si512(e), _mm512_set1_epi32(0xffff));
+        const __m512 dist =
+            _mm512_cvtepi32_ps(_mm512_abs_epi32(_mm512_sub_epi32(low, _mm512_set1_epi32(0x8000))));
+        const __m512 band = _mm512_add_ps(
+            _mm512_add_ps(
+                _mm512_mul_ps(bq, _mm512_set1_ps(f->knorm[j] + f->kmax)),
+                _mm512_mul_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(_mm512_abs_ps(xm), am))),
+            _mm512_set1_ps(kExpUlps));
+        const __mmask16 mask = _mm512_cmp_ps_mask(dist, band, _CMP_LE_OQ);
+        if (mask != 0) f->flags[j] |= std::uint64_t(mask) << (f->shift + h);
+      }
     }
     _mm512_storeu_ps(mb + h, m);
     _mm512_storeu_ps(lb + h, sum);
   }
-  if (h < nh) avx2::sa_softmax_block(st + h, lds, nh - h, nc, floor, mb + h, lb + h);
+  if (h < nh) {
+    if constexpr (kFlag) {
+      SoftmaxFlags rest = *f;
+      rest.band_q += h;
+      rest.jmax += h;
+      rest.shift += h;
+      avx2::sa_softmax_block(st + h, lds, nh - h, nc, floor, mb + h, lb + h, &rest);
+    } else {
+      avx2::sa_softmax_block(st + h, lds, nh - h, nc, floor, mb + h, lb + h);
+    }
+  }
+}
+
+TILEDECODE_TARGET_AVX512 inline void sa_softmax_block(float* st, int lds, int nh, int nc,
+                                                      float floor, float* mb, float* lb,
+                                                      const SoftmaxFlags* f = nullptr) {
+  if (f != nullptr)
+    softmax_block_impl<true>(st, lds, nh, nc, floor, mb, lb, f);
+  else
+    softmax_block_impl<false>(st, lds, nh, nc, floor, mb, lb, f);
+}
+
+// avx2::sa_exact_dot's lanes and sum tree on 512-bit vectors (lane d mod 32 in acc[(d mod 32) / 8]:
+// every lane adds the same products in the same order, so the same bits at twice the width).
+TILEDECODE_TARGET_AVX512 inline double sa_exact_dot(const bf16* q, const float* k, int n) {
+  __m512d acc[4];
+  for (auto& a : acc) a = _mm512_setzero_pd();
+  for (int d = 0; d < n; d += 32)
+    for (int c = 0; c < 2; ++c) {
+      const __m512 p = _mm512_mul_ps(widen16(q + d + 16 * c), _mm512_loadu_ps(k + d + 16 * c));
+      acc[2 * c] = _mm512_add_pd(acc[2 * c], _mm512_cvtps_pd(_mm512_castps512_ps256(p)));
+      acc[2 * c + 1] = _mm512_add_pd(
+          acc[2 * c + 1],
+          _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1))));
+    }
+  // avx2's tree: a_i = (l[i] + l[i+16]) + (l[i+8] + l[i+24]), then halves.
+  const __m512d a = _mm512_add_pd(_mm512_add_pd(acc[0], acc[2]), _mm512_add_pd(acc[1], acc[3]));
+  const __m256d b = _mm256_add_pd(_mm512_castpd512_pd256(a), _mm512_extractf64x4_pd(a, 1));
+  const __m128d c = _mm_add_pd(_mm256_castpd256_pd128(b), _mm256_extractf128_pd(b, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(c, _mm_unpackhi_pd(c, c)));
 }
 
 // O tile of NH heads × 16·NV dims (avx2::pv_tile on 16-lane vectors).
