@@ -42,8 +42,9 @@
 // comes from the FP32 P·V sums. A head whose band would exceed kMaxBandUlps (logits hundreds of
 // units wide) keeps the FP32 statistics, self-consistent as before. The flags, argmax, norms and
 // exact dots are the same bits on avx2 and avx512 (the avx512 tier runs avx2's norms and keeps
-// their lanes), so the tiers stay bit-identical. Cost at B = 4, S = 2, one thread, Zen 5
-// (bench_sparse_attn, fixture logits): +5.4–5.6 % (min of 18 runs), +6–7 % (mean).
+// their lanes), so the tiers stay bit-identical. Cost, one thread, Zen 5 (bench_sparse_attn,
+// fixture logits, minimum of 12 runs): B = 4 +4.5–7.9 %, B = 64 +5.6–6.6 %
+// (docs/sparse_attention.md).
 
 #include <algorithm>
 #include <bit>
