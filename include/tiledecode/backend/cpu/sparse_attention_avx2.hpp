@@ -280,7 +280,7 @@ TILEDECODE_TARGET_AVX2 inline void sa_q_sumsq(float* q2, const float* qt, int ld
 // (ascending d); the 32 lanes l[] are then summed as
 //   a_i = (l[i] + l[i+16]) + (l[i+8] + l[i+24]), b_i = a_i + a_{i+4}, c_i = b_i + b_{i+2},
 //   result = c_0 + c_1
-// (ExactDotLanes::sum; the avx512 tier keeps the lanes and the tree: one bits). Its error,
+// (the avx512 tier and the scalar twin keep the lanes and the tree: one bits). Its error,
 // ≲ 2⁻⁴⁷ · Σ|q·k|, is far below an FP32 ulp of the score.
 TILEDECODE_TARGET_AVX2 inline double sa_exact_dot(const bf16* q, const float* k, int n) {
   __m256d acc[8];  // acc[j]: lanes 4j .. 4j + 3

@@ -67,13 +67,14 @@ TILEDECODE_TARGET_AVX512 inline __m512 round_bf16_ps(__m512 v) {
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u))));
 }
 
-// kf[i, 0:dim] = float(rows[i][0:dim]) for i < n. dim % 16 == 0.
 // 16 BF16 values widened to FP32.
 TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline __m512 widen16(const bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// kf[i, 0:dim] = float(rows[i][0:dim]) for i < n. dim % 16 == 0; with k2, avx2::sa_load_rows'
+// row norms (dim % 32 == 0).
 TILEDECODE_TARGET_AVX512 inline void sa_load_rows(float* kf, int ldk, const bf16* const* rows,
                                                   int n, int dim, float* k2 = nullptr) {
   for (int i = 0; i < n; ++i) {
