@@ -454,10 +454,18 @@ TEST(SparseAttn, Avx512ExactProbabilityPrimitivesBitIdenticalToAvx2) {
     for (int d = 0; d < kDim; ++d) ref += double(kf2[j * kLdk + d]) * kf2[j * kLdk + d];
     ASSERT_NEAR(k2a[j], ref, 1e-5 * ref);
   }
-  a2::sa_load_q_transposed(qt, kHeads, qrows.data(), kHeads, kDim);
+  float q2f[kHeads], q2s[kHeads];
+  a2::sa_load_q_transposed(qt, kHeads, qrows.data(), kHeads, kDim, q2f);
   a2::sa_q_sumsq(q2a, qt, kHeads, kHeads, kDim);
+  ASSERT_EQ(0, std::memcmp(q2a, q2f, sizeof q2a));  // the fused norms: sa_q_sumsq's bits
   Scalar::q_sumsq(q2b, qt, kHeads, kHeads, kDim);
   for (int h = 0; h < kHeads; ++h) ASSERT_NEAR(q2a[h], q2b[h], 1e-5f * q2b[h]);
+  {
+    alignas(64) static float qt0[kDim * kHeads];
+    Scalar::load_q_transposed(qt0, kHeads, qrows.data(), kHeads, kDim, q2s);
+    ASSERT_EQ(0, std::memcmp(qt, qt0, sizeof qt));
+    ASSERT_EQ(0, std::memcmp(q2b, q2s, sizeof q2b));
+  }
   for (int h = 0; h < kHeads; ++h)
     for (int j = 0; j < kCols; j += 7) {
       const double e2 = a2::sa_exact_dot(qrows[h], kf2 + j * kLdk, kDim);
@@ -522,6 +530,20 @@ TEST(SparseAttn, Avx512ExactProbabilityPrimitivesBitIdenticalToAvx2) {
       Scalar::scale_round(r0.data(), kf2, rden, n);
       ASSERT_EQ(0, std::memcmp(r2.data(), r5.data(), sizeof(bf16) * std::size_t(n)));
       ASSERT_EQ(0, std::memcmp(r2.data(), r0.data(), sizeof(bf16) * std::size_t(n)));
+    }
+  // The inverse-RoPE tail: the vector op against the scalar twin (rope_inverse), bit for bit,
+  // over table rows of angles up to 1e4 rad and both signs.
+  std::vector<bf16> cs(32), sn(32);
+  for (double rden : {1.0 / 3.0, 1.0 / 1e-3, 7.25})
+    for (int pos : {0, 1, 977, 65535}) {
+      for (int i = 0; i < 32; ++i) {
+        const double ang = pos * std::pow(10000.0, -i / 32.0);
+        cs[i] = bf16(float(std::cos(ang)));
+        sn[i] = bf16(float(std::sin(ang)));
+      }
+      a2::sa_rope_tail(r2.data(), kf2 + 448, rden, cs.data(), sn.data(), 64);
+      Scalar::rope_tail(r0.data(), kf2 + 448, rden, cs.data(), sn.data(), 64);
+      ASSERT_EQ(0, std::memcmp(r2.data(), r0.data(), sizeof(bf16) * 64)) << "pos " << pos;
     }
 }
 #endif  // TILEDECODE_X86

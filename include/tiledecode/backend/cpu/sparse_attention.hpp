@@ -29,7 +29,7 @@
 //     FP32 ulps of a BF16 midpoint. The first term is kBandSigma times the FP32 chain's error
 //     estimate 2⁻²⁴ · scale · ||q|| · ||k|| for s and for m (measured: at most 1.2 of it, rms 0.10,
 //     over 262144 scores); the second the roundings of s, m and s − m; the third the exp's error.
-//     Row norms come with the BF16 → FP32 load, query norms once per item.
+//     Row norms come with the BF16 → FP32 load, query norms with the queries' transposition.
 //   * mex = the exact score of the argmax column (exact_dot: the BF16 × BF16 products are exact
 //     in FP32 and summed in double), at least the block's floor, as golden's maximum; every
 //     flagged P becomes golden's bf16(float(exp(s_exact − mex))).
@@ -42,9 +42,10 @@
 // comes from the FP32 P·V sums. A head whose band would exceed kMaxBandUlps (logits hundreds of
 // units wide) keeps the FP32 statistics, self-consistent as before. The flags, argmax, norms and
 // exact dots are the same bits on avx2 and avx512 (the avx512 tier runs avx2's norms and keeps
-// their lanes), so the tiers stay bit-identical. Cost, one thread, Zen 5 (bench_sparse_attn,
-// fixture logits, minimum of 12 runs): B = 4 +4.5–7.9 %, B = 64 +5.6–6.6 %
-// (docs/sparse_attention.md).
+// their lanes), so the tiers stay bit-identical. Cost against the build before them, one thread,
+// Zen 5 (bench_sparse_attn, fixture logits, minimum of 24 runs), after the norms' vector sums,
+// the fused query norms and the vector RoPE tail paid part of it back: B = 4 +2.3 % (SWA),
+// +3.7 % (HCA), +4.9 % (CSA); B = 64 −0.6 %, +5.4 %, +5.4 % (docs/sparse_attention.md).
 
 #include <algorithm>
 #include <bit>
@@ -177,9 +178,26 @@ struct ScalarOps {
   static void scale_round(bf16* dst, const float* src, double rden, int n) {
     for (int d = 0; d < n; ++d) dst[d] = bf16(float(double(src[d]) * rden));
   }
-  static void load_q_transposed(float* qt, int ldq, const bf16* const* q, int nh, int dim) {
-    for (int h = 0; h < nh; ++h)
-      for (int d = 0; d < dim; ++d) qt[std::int64_t(d) * ldq + h] = q[h][d].to_float();
+  // With q2: also q_sumsq's sums (the same chain per head).
+  static void load_q_transposed(float* qt, int ldq, const bf16* const* q, int nh, int dim,
+                                float* q2 = nullptr) {
+    for (int h = 0; h < nh; ++h) {
+      float acc = 0.0f;
+      for (int d = 0; d < dim; ++d) {
+        const float x = q[h][d].to_float();
+        qt[std::int64_t(d) * ldq + h] = x;
+        acc += x * x;
+      }
+      if (q2 != nullptr) q2[h] = acc;
+    }
+  }
+  // dst[d] = bf16 of rope_inverse(float(double(src) · rden)) for d < n (the packed row's tail).
+  static void rope_tail(bf16* dst, const float* src, double rden, const bf16* cos_row,
+                        const bf16* sin_row, int n) {
+    float tail[64];
+    for (int d = 0; d < n; ++d) tail[d] = float(double(src[d]) * rden);
+    rope_inverse(std::span<float>(tail, std::size_t(n)), cos_row, sin_row);
+    for (int d = 0; d < n; ++d) dst[d] = bf16(tail[d]);
   }
   static void pv_merge(float* o, int ldo, const float* p, int ldp, int nh, const float* kf, int ldk,
                        int nc, int dim, const float* alpha, const float* gamma, bool first) {
@@ -221,8 +239,13 @@ struct Avx2Ops {
   static void scale_round(bf16* dst, const float* src, double rden, int n) {
     avx2::sa_scale_round(dst, src, rden, n);
   }
-  static void load_q_transposed(float* qt, int ldq, const bf16* const* q, int nh, int dim) {
-    avx2::sa_load_q_transposed(qt, ldq, q, nh, dim);
+  static void load_q_transposed(float* qt, int ldq, const bf16* const* q, int nh, int dim,
+                                float* q2 = nullptr) {
+    avx2::sa_load_q_transposed(qt, ldq, q, nh, dim, q2);
+  }
+  static void rope_tail(bf16* dst, const float* src, double rden, const bf16* cos_row,
+                        const bf16* sin_row, int n) {
+    avx2::sa_rope_tail(dst, src, rden, cos_row, sin_row, n);
   }
   static void pv_merge(float* o, int ldo, const float* p, int ldp, int nh, const float* kf, int ldk,
                        int nc, int dim, const float* alpha, const float* gamma, bool first) {
@@ -385,10 +408,9 @@ struct backend_ops_sparse_attention {
   static void load_queries(Lane& z, const kernels::SparseAttentionArgs& a,
                            const kernels::AttentionItem& it) {
     for (int h = 0; h < it.nh; ++h) z.qrow[h] = &a.q(it.t, it.h0 + h, 0);
-    Ops::load_q_transposed(z.qt, z.L->heads, z.qrow, it.nh, z.L->dim);
-    // The flag band's scale per head: kBandSigma · scale · ||q_h||.
+    // With the flag band's scale per head: kBandSigma · scale · ||q_h||.
     float q2[sparse_attention_detail::kHeadsPerItem];
-    Ops::q_sumsq(q2, z.qt, z.L->heads, it.nh, z.L->dim);
+    Ops::load_q_transposed(z.qt, z.L->heads, z.qrow, it.nh, z.L->dim, q2);
     z.scale = a.cfg->softmax_scale();
     for (int h = 0; h < z.L->heads; ++h)
       z.band[h] =
@@ -509,9 +531,8 @@ struct backend_ops_sparse_attention {
     const int dim = z.L->dim;
     const index_t T = a.tokens(), p = a.cols.positions(it.t);
     const int nope = cfg.nope_dim(), hpg = cfg.heads_per_group();
+    alignas(64) bf16 packed[sparse_attention_detail::kMaxDim];
     for (int h = 0; h < it.nh; ++h) {
-      alignas(64) bf16 packed[sparse_attention_detail::kMaxDim];
-      float tail[64];
       const int hg = it.h0 + h;
       if (z.first) {
         std::fill(packed, packed + dim, bf16(0.0f));
@@ -519,9 +540,8 @@ struct backend_ops_sparse_attention {
         const double den = z.l[h] + std::exp(double(a.attn_sink(hg)) - z.m[h]), rden = 1.0 / den;
         const float* orow = z.o + std::int64_t(h) * dim;
         Ops::scale_round(packed, orow, rden, nope);
-        for (int d = 0; d < cfg.rope_dim; ++d) tail[d] = float(double(orow[nope + d]) * rden);
-        rope_inverse(std::span<float>(tail, cfg.rope_dim), a.rope.cos_row(p), a.rope.sin_row(p));
-        for (int d = 0; d < cfg.rope_dim; ++d) packed[nope + d] = bf16(tail[d]);
+        Ops::rope_tail(packed + nope, orow + nope, rden, a.rope.cos_row(p), a.rope.sin_row(p),
+                       cfg.rope_dim);
       }
       const index_t g = hg / hpg, hh = hg % hpg;
       std::memcpy(&a.o_packed(g * T + it.t, hh * dim), packed, sizeof(bf16) * std::size_t(dim));

@@ -40,11 +40,16 @@ struct SoftmaxFlags {
 };
 inline constexpr float kExpUlps = 4.0f;  // the exps' error in FP32 ulps, with margin (both ~1)
 
-// l[0] + l[1] + ... + l[31], in that order: the row norms' lane sum (every tier).
+// The row norms' lane sum (every tier), by halving: t_i = l_i + l_{i+16} for i < 16, then the
+// same on the 16 sums down to one (avx2: hsum((a0 + a2) + (a1 + a3)) of the 8-lane quarters
+// a0..a3; avx512: hsum(lo + hi) of the 16-lane halves: a few vector additions per row instead of
+// 31 dependent scalar ones).
 inline float sum_lanes32(const float* l) {
-  float s = 0.0f;
-  for (int i = 0; i < 32; ++i) s += l[i];
-  return s;
+  float t[16];
+  for (int i = 0; i < 16; ++i) t[i] = l[i] + l[i + 16];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] = t[i] + t[i + w];
+  return t[0];
 }
 
 }  // namespace tiledecode::cpu
@@ -95,8 +100,8 @@ TILEDECODE_TARGET_AVX2 inline __m256 round_bf16_ps(__m256 v) {
 
 // kf[i, 0:dim] = float(rows[i][0:dim]) for i < n. dim % 16 == 0.
 // With k2 (dim % 32 == 0): also k2[i] = ||kf[i, 0:dim]||², 32 FP32 lanes (lane l: the squares of
-// d ≡ l mod 32, ascending d, FMA) summed in ascending l, the flag band's row norms (the avx512
-// tier's load keeps these lanes: the same bits).
+// d ≡ l mod 32, ascending d, FMA) summed as sum_lanes32, the flag band's row norms (the avx512
+// tier's load keeps these lanes and that sum: the same bits).
 TILEDECODE_TARGET_AVX2 inline void sa_load_rows(float* kf, int ldk, const bf16* const* rows, int n,
                                                 int dim, float* k2 = nullptr) {
   for (int i = 0; i < n; ++i) {
@@ -117,9 +122,7 @@ TILEDECODE_TARGET_AVX2 inline void sa_load_rows(float* kf, int ldk, const bf16* 
         _mm256_store_ps(dst + d + 8 * c, x);
         acc[c] = _mm256_fmadd_ps(x, x, acc[c]);
       }
-    alignas(32) float l[32];
-    for (int c = 0; c < 4; ++c) _mm256_store_ps(l + 8 * c, acc[c]);
-    k2[i] = sum_lanes32(l);
+    k2[i] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3])));
   }
 }
 
@@ -372,10 +375,12 @@ TILEDECODE_TARGET_AVX2 inline void sa_pv_merge(float* o, int ldo, const float* p
 }
 
 // qt[d, h] = float(q[h][d]) for h < nh (nh % 8 == 0), d < dim (dim % 8 == 0): 8 × 8 tiles
-// widened and transposed in registers.
+// widened and transposed in registers. With q2: also sa_q_sumsq(q2, qt, ldq, nh, dim), the same
+// bits from the transposed registers (per head the even-d and odd-d FMA chains in ascending d).
 TILEDECODE_TARGET_AVX2 inline void sa_load_q_transposed(float* qt, int ldq, const bf16* const* q,
-                                                        int nh, int dim) {
-  for (int h = 0; h < nh; h += 8)
+                                                        int nh, int dim, float* q2 = nullptr) {
+  for (int h = 0; h < nh; h += 8) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int d = 0; d < dim; d += 8) {
       __m256 r[8];
       for (int i = 0; i < 8; ++i) r[i] = load_bf16x8(q[h + i] + d);
@@ -387,16 +392,44 @@ TILEDECODE_TARGET_AVX2 inline void sa_load_q_transposed(float* qt, int ldq, cons
       const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
       const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
       const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+      const __m256 col[8] = {
+          _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+          _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+          _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+          _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
       float* dst = qt + std::int64_t(d) * ldq + h;
-      _mm256_store_ps(dst + 0 * std::int64_t(ldq), _mm256_permute2f128_ps(u0, u4, 0x20));
-      _mm256_store_ps(dst + 1 * std::int64_t(ldq), _mm256_permute2f128_ps(u1, u5, 0x20));
-      _mm256_store_ps(dst + 2 * std::int64_t(ldq), _mm256_permute2f128_ps(u2, u6, 0x20));
-      _mm256_store_ps(dst + 3 * std::int64_t(ldq), _mm256_permute2f128_ps(u3, u7, 0x20));
-      _mm256_store_ps(dst + 4 * std::int64_t(ldq), _mm256_permute2f128_ps(u0, u4, 0x31));
-      _mm256_store_ps(dst + 5 * std::int64_t(ldq), _mm256_permute2f128_ps(u1, u5, 0x31));
-      _mm256_store_ps(dst + 6 * std::int64_t(ldq), _mm256_permute2f128_ps(u2, u6, 0x31));
-      _mm256_store_ps(dst + 7 * std::int64_t(ldq), _mm256_permute2f128_ps(u3, u7, 0x31));
+      for (int i = 0; i < 8; ++i) {  // row d + i of qt
+        _mm256_store_ps(dst + i * std::int64_t(ldq), col[i]);
+        if (q2 != nullptr) acc[i % 2] = _mm256_fmadd_ps(col[i], col[i], acc[i % 2]);
+      }
     }
+    if (q2 != nullptr) _mm256_storeu_ps(q2 + h, _mm256_add_ps(acc[0], acc[1]));
+  }
+}
+
+// The inverse-RoPE tail of a finished head row: x = float(double(src[d]) · rden), rotated back as
+// rope_inverse does (pairs (x_2i, x_2i+1) by (cos_i, sin_i): e·c + o·s and o·c − e·s, FP32
+// products then one addition, no FMA) and rounded to BF16 into dst, for d < n (n % 8 == 0).
+// Every operation is the scalar code's (o·c + e·(−s) is o·c − e·s exactly): the same bits.
+TILEDECODE_TARGET_AVX2 inline void sa_rope_tail(bf16* dst, const float* src, double rden,
+                                                const bf16* cos_row, const bf16* sin_row, int n) {
+  const __m256d r = _mm256_set1_pd(rden);
+  const __m256 flip = _mm256_setr_ps(0.0f, -0.0f, 0.0f, -0.0f, 0.0f, -0.0f, 0.0f, -0.0f);
+  const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  for (int d = 0; d < n; d += 8) {
+    const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(src + d)), r));
+    const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(src + d + 4)), r));
+    const __m256 x = _mm256_set_m128(hi, lo);
+    const __m256 xs = _mm256_permute_ps(x, 0xb1);  // (o, e) per pair
+    // cos_i, sin_i for the pairs i = d/2 .. d/2 + 3, each twice; sin with the odd lanes negated.
+    const auto pairs = [&](const bf16* t) TILEDECODE_TARGET_AVX2 {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + d / 2));
+      const __m128 v = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(b), 16));
+      return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), dup);
+    };
+    const __m256 c = pairs(cos_row), sn = _mm256_xor_ps(pairs(sin_row), flip);
+    store_bf16x8(dst + d, _mm256_add_ps(_mm256_mul_ps(x, c), _mm256_mul_ps(xs, sn)));
+  }
 }
 
 // dst[d] = bf16(float(double(src[d]) · rden)) for d < n (n % 8 == 0), as in scalar code.

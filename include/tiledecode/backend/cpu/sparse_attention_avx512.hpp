@@ -92,10 +92,10 @@ TILEDECODE_TARGET_AVX512 inline void sa_load_rows(float* kf, int ldk, const bf16
         _mm512_store_ps(dst + d + 16 * c, x);
         acc[c] = _mm512_fmadd_ps(x, x, acc[c]);
       }
-    alignas(64) float l[32];
-    _mm512_store_ps(l, acc[0]);
-    _mm512_store_ps(l + 16, acc[1]);
-    k2[i] = sum_lanes32(l);
+    // sum_lanes32's halvings, as avx2's: l + l+16, then the 256-bit halves and hsum.
+    const __m512 t16 = _mm512_add_ps(acc[0], acc[1]);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t16), 1));
+    k2[i] = avx2::hsum(_mm256_add_ps(_mm512_castps512_ps256(t16), hi));
   }
 }
 
