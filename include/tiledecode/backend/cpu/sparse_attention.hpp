@@ -191,7 +191,8 @@ struct ScalarOps {
       if (q2 != nullptr) q2[h] = acc;
     }
   }
-  // dst[d] = bf16 of rope_inverse(float(double(src) · rden)) for d < n (the packed row's tail).
+  // dst[d] = bf16 of rope_inverse(float(double(src) · rden)) for d < n <= 64 (the packed row's
+  // tail: rope_dim, validated to be 64).
   static void rope_tail(bf16* dst, const float* src, double rden, const bf16* cos_row,
                         const bf16* sin_row, int n) {
     float tail[64];
