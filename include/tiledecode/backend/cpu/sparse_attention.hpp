@@ -44,8 +44,9 @@
 // exact dots are the same bits on avx2 and avx512 (the avx512 tier runs avx2's norms and keeps
 // their lanes), so the tiers stay bit-identical. Cost against the build before them, one thread,
 // Zen 5 (bench_sparse_attn, fixture logits, minimum of 24 runs), after the norms' vector sums,
-// the fused query norms and the vector RoPE tail paid part of it back: B = 4 +2.3 % (SWA),
-// +3.7 % (HCA), +4.9 % (CSA); B = 64 −0.6 %, +5.4 %, +5.4 % (docs/sparse_attention.md).
+// the fused query norms and the vector RoPE tail paid part of it back: B = 4 +1.3–2.3 % (SWA),
+// +2.2–3.7 % (HCA), +3.0–4.9 % (CSA) over two runs; B = 64 −0.6 %, +5.4 %, +5.4 %
+// (docs/sparse_attention.md).
 
 #include <algorithm>
 #include <bit>
