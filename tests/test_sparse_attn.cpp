@@ -454,18 +454,9 @@ TEST(SparseAttn, Avx512ExactProbabilityPrimitivesBitIdenticalToAvx2) {
     for (int d = 0; d < kDim; ++d) ref += double(kf2[j * kLdk + d]) * kf2[j * kLdk + d];
     ASSERT_NEAR(k2a[j], ref, 1e-5 * ref);
   }
-  float q2f[kHeads], q2s[kHeads];
-  a2::sa_load_q_transposed(qt, kHeads, qrows.data(), kHeads, kDim, q2f);
-  a2::sa_q_sumsq(q2a, qt, kHeads, kHeads, kDim);
-  ASSERT_EQ(0, std::memcmp(q2a, q2f, sizeof q2a));  // the fused norms: sa_q_sumsq's bits
+  a2::sa_load_q_transposed(qt, kHeads, qrows.data(), kHeads, kDim, q2a);
   Scalar::q_sumsq(q2b, qt, kHeads, kHeads, kDim);
   for (int h = 0; h < kHeads; ++h) ASSERT_NEAR(q2a[h], q2b[h], 1e-5f * q2b[h]);
-  {
-    alignas(64) static float qt0[kDim * kHeads];
-    Scalar::load_q_transposed(qt0, kHeads, qrows.data(), kHeads, kDim, q2s);
-    ASSERT_EQ(0, std::memcmp(qt, qt0, sizeof qt));
-    ASSERT_EQ(0, std::memcmp(q2b, q2s, sizeof q2b));
-  }
   for (int h = 0; h < kHeads; ++h)
     for (int j = 0; j < kCols; j += 7) {
       const double e2 = a2::sa_exact_dot(qrows[h], kf2 + j * kLdk, kDim);
@@ -531,20 +522,69 @@ TEST(SparseAttn, Avx512ExactProbabilityPrimitivesBitIdenticalToAvx2) {
       ASSERT_EQ(0, std::memcmp(r2.data(), r5.data(), sizeof(bf16) * std::size_t(n)));
       ASSERT_EQ(0, std::memcmp(r2.data(), r0.data(), sizeof(bf16) * std::size_t(n)));
     }
-  // The inverse-RoPE tail: the vector op against the scalar twin (rope_inverse), bit for bit,
-  // over table rows of angles up to 1e4 rad and both signs.
-  std::vector<bf16> cs(32), sn(32);
-  for (double rden : {1.0 / 3.0, 1.0 / 1e-3, 7.25})
-    for (int pos : {0, 1, 977, 65535}) {
-      for (int i = 0; i < 32; ++i) {
-        const double ang = pos * std::pow(10000.0, -i / 32.0);
-        cs[i] = bf16(float(std::cos(ang)));
-        sn[i] = bf16(float(std::sin(ang)));
+}
+
+// The finish's AVX2 primitives (both vector tiers run them) against their scalar twins: the query
+// norms fused into the transposition (sa_q_sumsq's bits; the scalar twin's own chain) and the
+// inverse-RoPE tail (scale in double, rotate without FMA, round: rope_inverse's bits, NaN signs
+// aside). A fused multiply-add in the rotation changes about one row in 600 after the rounding,
+// so the tail runs 20000 random rows plus rows of ±0, ±Inf, NaN, huge and subnormal values.
+TEST(SparseAttn, Avx2FinishPrimitivesBitIdenticalToScalar) {
+  if (!td::cpu::cpu_has_avx2()) GTEST_SKIP() << "no AVX2 + FMA on this CPU";
+  namespace a2 = td::cpu::avx2;
+  using Scalar = td::cpu::sparse_attention_detail::ScalarOps;
+  constexpr int kHeads = 64, kDim = 512;
+  tdtest::Rng rng(79);
+  std::vector<bf16> q_bf(std::size_t(kHeads) * kDim);
+  rng.fill_uniform(std::span<bf16>(q_bf), -8.0f, 8.0f);
+  std::vector<const bf16*> qrows(kHeads);
+  for (int h = 0; h < kHeads; ++h) qrows[h] = q_bf.data() + std::size_t(h) * kDim;
+  alignas(64) static float qt[kDim * kHeads], qt0[kDim * kHeads];
+  float q2[kHeads], q2f[kHeads], q2s[kHeads], q2s0[kHeads];
+  a2::sa_load_q_transposed(qt, kHeads, qrows.data(), kHeads, kDim, q2f);
+  a2::sa_q_sumsq(q2, qt, kHeads, kHeads, kDim);
+  ASSERT_EQ(0, std::memcmp(q2, q2f, sizeof q2));
+  Scalar::load_q_transposed(qt0, kHeads, qrows.data(), kHeads, kDim, q2s);
+  Scalar::q_sumsq(q2s0, qt0, kHeads, kHeads, kDim);
+  ASSERT_EQ(0, std::memcmp(qt, qt0, sizeof qt));
+  ASSERT_EQ(0, std::memcmp(q2s, q2s0, sizeof q2s));
+
+  std::vector<float> src(64), tab(64);
+  std::vector<bf16> cs(32), sn(32), got(64), want(64);
+  long rows = 0;
+  const auto check = [&](double rden) {
+    a2::sa_rope_tail(got.data(), src.data(), rden, cs.data(), sn.data(), 64);
+    Scalar::rope_tail(want.data(), src.data(), rden, cs.data(), sn.data(), 64);
+    for (int d = 0; d < 64; ++d) {
+      if (std::isnan(want[d].to_float())) {
+        ASSERT_TRUE(std::isnan(got[d].to_float())) << "row " << rows << " d " << d;
+      } else {
+        ASSERT_EQ(got[d].bits, want[d].bits) << "row " << rows << " d " << d;
       }
-      a2::sa_rope_tail(r2.data(), kf2 + 448, rden, cs.data(), sn.data(), 64);
-      Scalar::rope_tail(r0.data(), kf2 + 448, rden, cs.data(), sn.data(), 64);
-      ASSERT_EQ(0, std::memcmp(r2.data(), r0.data(), sizeof(bf16) * 64)) << "pos " << pos;
     }
+    ++rows;
+  };
+  for (int r = 0; r < 20000; ++r) {
+    rng.fill_uniform(std::span<float>(src), -1.0f, 1.0f);
+    rng.fill_uniform(std::span<float>(tab), -1.0f, 1.0f);
+    for (int i = 0; i < 32; ++i) {
+      cs[i] = bf16(tab[i]);
+      sn[i] = bf16(tab[32 + i]);
+    }
+    check(std::ldexp(1.0 + double(tab[0] + 1.0f), int(tab[1] * 40.0f)));
+  }
+  const float specials[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 3e38f, -3e38f, 1e-40f, 1.0f};
+  for (float a : specials)
+    for (float b : specials) {
+      for (int d = 0; d < 64; d += 2) src[d] = a, src[d + 1] = b;
+      for (int i = 0; i < 32; ++i) {
+        cs[i] = bf16(i % 3 == 0 ? 0.0f : 0.6f);
+        sn[i] = bf16(i % 2 == 0 ? -0.8f : 0.8f);
+      }
+      check(1.0);
+      check(0.5);
+    }
+  EXPECT_EQ(rows, 20000 + 2 * 81);
 }
 #endif  // TILEDECODE_X86
 

@@ -410,7 +410,8 @@ TILEDECODE_TARGET_AVX2 inline void sa_load_q_transposed(float* qt, int ldq, cons
 // The inverse-RoPE tail of a finished head row: x = float(double(src[d]) · rden), rotated back as
 // rope_inverse does (pairs (x_2i, x_2i+1) by (cos_i, sin_i): e·c + o·s and o·c − e·s, FP32
 // products then one addition, no FMA) and rounded to BF16 into dst, for d < n (n % 8 == 0).
-// Every operation is the scalar code's (o·c + e·(−s) is o·c − e·s exactly): the same bits.
+// Every operation is the scalar code's (o·c + e·(−s) is o·c − e·s exactly): the same bits, but
+// for the sign of a NaN (the sum of two NaNs takes either one's sign, by operand order).
 TILEDECODE_TARGET_AVX2 inline void sa_rope_tail(bf16* dst, const float* src, double rden,
                                                 const bf16* cos_row, const bf16* sin_row, int n) {
   const __m256d r = _mm256_set1_pd(rden);
