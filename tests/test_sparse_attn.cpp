@@ -444,7 +444,7 @@ TEST(SparseAttn, Avx512ExactProbabilityPrimitivesBitIdenticalToAvx2) {
   for (int h = 0; h < kHeads; ++h) qrows[h] = q_bf.data() + std::size_t(h) * kDim;
   alignas(64) static float kf2[kCols * kLdk], kf5[kCols * kLdk], qt[kDim * kHeads];
   alignas(64) static float s2[kCols * kHeads], s5[kCols * kHeads], s0[kCols * kHeads];
-  float k2a[kCols], k2b[kCols], q2a[kHeads], q2b[kHeads];
+  float k2a[kCols], k2b[kCols], q2a[kHeads];
   a2::sa_load_rows(kf2, kLdk, rows.data(), kCols, kDim, k2a);
   a5::sa_load_rows(kf5, kLdk, rows.data(), kCols, kDim, k2b);
   ASSERT_EQ(0, std::memcmp(kf2, kf5, sizeof kf2));
@@ -455,8 +455,11 @@ TEST(SparseAttn, Avx512ExactProbabilityPrimitivesBitIdenticalToAvx2) {
     ASSERT_NEAR(k2a[j], ref, 1e-5 * ref);
   }
   a2::sa_load_q_transposed(qt, kHeads, qrows.data(), kHeads, kDim, q2a);
-  Scalar::q_sumsq(q2b, qt, kHeads, kHeads, kDim);
-  for (int h = 0; h < kHeads; ++h) ASSERT_NEAR(q2a[h], q2b[h], 1e-5f * q2b[h]);
+  for (int h = 0; h < kHeads; ++h) {  // the norm itself, against a double sum
+    double ref = 0.0;
+    for (int d = 0; d < kDim; ++d) ref += double(qt[d * kHeads + h]) * qt[d * kHeads + h];
+    ASSERT_NEAR(q2a[h], ref, 1e-5 * ref);
+  }
   for (int h = 0; h < kHeads; ++h)
     for (int j = 0; j < kCols; j += 7) {
       const double e2 = a2::sa_exact_dot(qrows[h], kf2 + j * kLdk, kDim);
@@ -525,7 +528,7 @@ TEST(SparseAttn, Avx512ExactProbabilityPrimitivesBitIdenticalToAvx2) {
 }
 
 // The finish's AVX2 primitives (both vector tiers run them) against their scalar twins: the query
-// norms fused into the transposition (sa_q_sumsq's bits; the scalar twin's own chain) and the
+// norms fused into the transposition (each tier's chains, written out here) and the
 // inverse-RoPE tail (scale in double, rotate without FMA, round: rope_inverse's bits, NaN signs
 // aside). A fused multiply-add in the rotation changes about one row in 600 after the rounding,
 // so the tail runs 20000 random rows plus rows of ±0, ±Inf, NaN, huge and subnormal values.
@@ -540,14 +543,22 @@ TEST(SparseAttn, Avx2FinishPrimitivesBitIdenticalToScalar) {
   std::vector<const bf16*> qrows(kHeads);
   for (int h = 0; h < kHeads; ++h) qrows[h] = q_bf.data() + std::size_t(h) * kDim;
   alignas(64) static float qt[kDim * kHeads], qt0[kDim * kHeads];
-  float q2[kHeads], q2f[kHeads], q2s[kHeads], q2s0[kHeads];
+  float q2f[kHeads], q2s[kHeads], want2[kHeads], want1[kHeads];
   a2::sa_load_q_transposed(qt, kHeads, qrows.data(), kHeads, kDim, q2f);
-  a2::sa_q_sumsq(q2, qt, kHeads, kHeads, kDim);
-  ASSERT_EQ(0, std::memcmp(q2, q2f, sizeof q2));
   Scalar::load_q_transposed(qt0, kHeads, qrows.data(), kHeads, kDim, q2s);
-  Scalar::q_sumsq(q2s0, qt0, kHeads, kHeads, kDim);
   ASSERT_EQ(0, std::memcmp(qt, qt0, sizeof qt));
-  ASSERT_EQ(0, std::memcmp(q2s, q2s0, sizeof q2s));
+  for (int h = 0; h < kHeads; ++h) {
+    float even = 0.0f, odd = 0.0f, one = 0.0f;  // the vector tiers' two FMA chains; the scalar's
+    for (int d = 0; d < kDim; ++d) {
+      const float x = qrows[h][d].to_float();
+      (d % 2 == 0 ? even : odd) = std::fma(x, x, d % 2 == 0 ? even : odd);
+      one = one + x * x;
+    }
+    want2[h] = even + odd;
+    want1[h] = one;
+  }
+  ASSERT_EQ(0, std::memcmp(q2f, want2, sizeof q2f));
+  ASSERT_EQ(0, std::memcmp(q2s, want1, sizeof q2s));
 
   std::vector<float> src(64), tab(64);
   std::vector<bf16> cs(32), sn(32), got(64), want(64);

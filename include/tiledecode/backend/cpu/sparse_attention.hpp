@@ -161,12 +161,6 @@ struct ScalarOps {
       lb[h] = l;
     }
   }
-  static void q_sumsq(float* q2, const float* qt, int ldq, int nh, int dim) {
-    for (int h = 0; h < nh; ++h) q2[h] = 0.0f;
-    for (int d = 0; d < dim; ++d)
-      for (int h = 0; h < nh; ++h)
-        q2[h] += qt[std::int64_t(d) * ldq + h] * qt[std::int64_t(d) * ldq + h];
-  }
   // avx2::sa_exact_dot's lanes and sum tree (the same bits: every product is exact).
   static double exact_dot(const bf16* q, const float* k, int n) {
     double l[32] = {};
@@ -179,7 +173,7 @@ struct ScalarOps {
   static void scale_round(bf16* dst, const float* src, double rden, int n) {
     for (int d = 0; d < n; ++d) dst[d] = bf16(float(double(src[d]) * rden));
   }
-  // With q2: also q_sumsq's sums (the same chain per head).
+  // With q2: also q2[h] = Σ_d q[h][d]², one chain per head in ascending d (multiply, then add).
   static void load_q_transposed(float* qt, int ldq, const bf16* const* q, int nh, int dim,
                                 float* q2 = nullptr) {
     for (int h = 0; h < nh; ++h) {
@@ -231,9 +225,6 @@ struct Avx2Ops {
   static void softmax_block(float* s, int lds, int nh, int nc, float floor, float* mb, float* lb,
                             const SoftmaxFlags* f = nullptr) {
     avx2::sa_softmax_block(s, lds, nh, nc, floor, mb, lb, f);
-  }
-  static void q_sumsq(float* q2, const float* qt, int ldq, int nh, int dim) {
-    avx2::sa_q_sumsq(q2, qt, ldq, nh, dim);
   }
   static double exact_dot(const bf16* q, const float* k, int n) {
     return avx2::sa_exact_dot(q, k, n);

@@ -258,26 +258,6 @@ TILEDECODE_TARGET_AVX2 inline void sa_softmax_block(float* st, int lds, int nh, 
     softmax_block_impl<false>(st, lds, nh, nc, floor, mb, lb, f);
 }
 
-// q2[h] = Σ_d qt[d, h]² for h < nh (nh % 8 == 0): per head two FMA chains, over the even and
-// the odd d in ascending order, added at the end; the flag band's query norms (both vector tiers
-// run this function).
-TILEDECODE_TARGET_AVX2 inline void sa_q_sumsq(float* q2, const float* qt, int ldq, int nh,
-                                              int dim) {
-  for (int h = 0; h < nh; h += 64) {
-    const int nv = std::min(8, (nh - h) / 8);
-    __m256 acc[2][8];
-    for (auto& r : acc)
-      for (auto& a : r) a = _mm256_setzero_ps();
-    for (int d = 0; d < dim; ++d)
-      for (int v = 0; v < nv; ++v) {
-        const __m256 x = _mm256_loadu_ps(qt + std::int64_t(d) * ldq + h + 8 * v);
-        acc[d % 2][v] = _mm256_fmadd_ps(x, x, acc[d % 2][v]);
-      }
-    for (int v = 0; v < nv; ++v)
-      _mm256_storeu_ps(q2 + h + 8 * v, _mm256_add_ps(acc[0][v], acc[1][v]));
-  }
-}
-
 // Σ_d q[d] · k[d] (BF16 q, FP32 k holding BF16 values, n % 32 == 0) accurately: each product is
 // exact in FP32 (8 + 8 significant bits), is widened to double and added to lane d mod 32
 // (ascending d); the 32 lanes l[] are then summed as
@@ -375,8 +355,9 @@ TILEDECODE_TARGET_AVX2 inline void sa_pv_merge(float* o, int ldo, const float* p
 }
 
 // qt[d, h] = float(q[h][d]) for h < nh (nh % 8 == 0), d < dim (dim % 8 == 0): 8 × 8 tiles
-// widened and transposed in registers. With q2: also sa_q_sumsq(q2, qt, ldq, nh, dim), the same
-// bits from the transposed registers (per head the even-d and odd-d FMA chains in ascending d).
+// widened and transposed in registers. With q2: also q2[h] = Σ_d q[h][d]², the flag band's query
+// norms, from the transposed registers: per head two FMA chains, over the even and the odd d in
+// ascending order, added at the end (both vector tiers run this function).
 TILEDECODE_TARGET_AVX2 inline void sa_load_q_transposed(float* qt, int ldq, const bf16* const* q,
                                                         int nh, int dim, float* q2 = nullptr) {
   for (int h = 0; h < nh; h += 8) {
@@ -407,6 +388,13 @@ TILEDECODE_TARGET_AVX2 inline void sa_load_q_transposed(float* qt, int ldq, cons
   }
 }
 
+// float(double(src[d]) · r) for d < 8: the finished row's normalisation, as in scalar code.
+TILEDECODE_TARGET_AVX2 inline __m256 scale8(const float* src, __m256d r) {
+  const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(src)), r));
+  const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(src + 4)), r));
+  return _mm256_set_m128(hi, lo);
+}
+
 // The inverse-RoPE tail of a finished head row: x = float(double(src[d]) · rden), rotated back as
 // rope_inverse does (pairs (x_2i, x_2i+1) by (cos_i, sin_i): e·c + o·s and o·c − e·s, FP32
 // products then one addition, no FMA) and rounded to BF16 into dst, for d < n (n % 8 == 0).
@@ -418,9 +406,7 @@ TILEDECODE_TARGET_AVX2 inline void sa_rope_tail(bf16* dst, const float* src, dou
   const __m256 flip = _mm256_setr_ps(0.0f, -0.0f, 0.0f, -0.0f, 0.0f, -0.0f, 0.0f, -0.0f);
   const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
   for (int d = 0; d < n; d += 8) {
-    const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(src + d)), r));
-    const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(src + d + 4)), r));
-    const __m256 x = _mm256_set_m128(hi, lo);
+    const __m256 x = scale8(src + d, r);
     const __m256 xs = _mm256_permute_ps(x, 0xb1);  // (o, e) per pair
     // cos_i, sin_i for the pairs i = d/2 .. d/2 + 3, each twice; sin with the odd lanes negated.
     const auto pairs = [&](const bf16* t) TILEDECODE_TARGET_AVX2 {
@@ -436,11 +422,7 @@ TILEDECODE_TARGET_AVX2 inline void sa_rope_tail(bf16* dst, const float* src, dou
 // dst[d] = bf16(float(double(src[d]) · rden)) for d < n (n % 8 == 0), as in scalar code.
 TILEDECODE_TARGET_AVX2 inline void sa_scale_round(bf16* dst, const float* src, double rden, int n) {
   const __m256d r = _mm256_set1_pd(rden);
-  for (int d = 0; d < n; d += 8) {
-    const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(src + d)), r));
-    const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(src + d + 4)), r));
-    store_bf16x8(dst + d, _mm256_set_m128(hi, lo));
-  }
+  for (int d = 0; d < n; d += 8) store_bf16x8(dst + d, scale8(src + d, r));
 }
 
 }  // namespace tiledecode::cpu::avx2
