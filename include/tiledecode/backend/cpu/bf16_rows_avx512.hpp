@@ -225,18 +225,23 @@ inline constexpr index_t bf16_panel_elems(index_t n_tok, index_t d) {
 
 // Tile p of the panel (tokens 4p .. 4p + 3; past n_tok nothing is written):
 // xp[p · tile + (k / 32) · 128 + (t % 4) · 32 + k % 32] = x[t · ld_x + k] for k < d, +0 for
-// d <= k < round_up(d, 32). Plain copies (no ISA); callers run the tiles as parallel tasks.
+// d <= k < round_up(d, 32). Plain copies (no ISA); callers run the tiles as parallel tasks. The
+// whole 32-element pieces are fixed-size copies the compiler inlines (a variable-size memcpy call
+// per 64 bytes packed T = 512 × 4096 at 9.6 GB/s, 436 µs on Zen 5: 5 % of the inner compressor's
+// call at T = 128 and 512).
 inline void pack_bf16_panel_tile(bf16* xp, const bf16* x, index_t ld_x, index_t n_tok, index_t d,
                                  index_t p) {
-  const index_t dp = (d + 31) / 32 * 32;
   bf16* tile = xp + p * bf16_panel_tile_elems(d);
-  for (index_t t = 4 * p; t < std::min<index_t>(n_tok, 4 * p + 4); ++t)
-    for (index_t k = 0; k < dp; k += 32) {
-      bf16* dst = tile + k * 4 + (t % 4) * 32;
-      const index_t n = std::min<index_t>(32, d - k);
-      std::memcpy(dst, x + t * ld_x + k, std::size_t(n) * sizeof(bf16));
-      for (index_t i = n; i < 32; ++i) dst[i] = bf16::from_bits(0);
+  for (index_t t = 4 * p; t < std::min<index_t>(n_tok, 4 * p + 4); ++t) {
+    const bf16* src = x + t * ld_x;
+    bf16* dst = tile + (t % 4) * 32;
+    index_t k = 0;
+    for (; k + 32 <= d; k += 32) std::memcpy(dst + 4 * k, src + k, 32 * sizeof(bf16));
+    if (k < d) {  // the last piece: d - k elements, then +0
+      std::memcpy(dst + 4 * k, src + k, std::size_t(d - k) * sizeof(bf16));
+      for (index_t i = d - k; i < 32; ++i) dst[4 * k + i] = bf16::from_bits(0);
     }
+  }
 }
 
 // Callers take bf16_rows_dot_blocked from this many tokens, bf16_rows_dot below it (the same
