@@ -1,6 +1,6 @@
 // Compressor steps (spec §6): CSA main (ratio 4, OUT_DIM 1024), HCA (ratio 128, OUT_DIM 512)
-// and the indexer's inner compressor (ratio 4, OUT_DIM 256), at B=4, S=2 (T=8) and T up to 128,
-// on 1 and 2 threads, AVX2 path where the CPU has it.
+// and the indexer's inner compressor (ratio 4, OUT_DIM 256), at B=4, S=2 (T=8) and T up to 512
+// (B = 256 at S = 2, 64 at S = 8), on 1 and 2 threads, on the detected tier.
 //
 // The projections stream 2 × OUT_DIM × D BF16 weights per step. To measure them from memory
 // (as in a real decode step, where 43 layers of weights do not fit in cache) every iteration
@@ -25,8 +25,8 @@
 // rope and the cache store on top of the projections); `_boundary_avx2` runs them on the avx2 tier
 // (the pooling's 4-lane double path) on a CPU whose default is avx512, and is skipped elsewhere.
 // They run at T = 8 and at T = 128 (B = 64: what a large-batch step pays on top of the projection
-// roofline when every request closes a window; Zen 5, one thread: CSA +0.7 ms, HCA +2.4 ms,
-// inner +0.4 ms over the plain T = 128 rows).
+// roofline when every request closes a window; Zen 5, one thread, medians of 3 runs: CSA +0.3 ms
+// on 7.9, HCA +2.2 ms on 3.9, inner +0.4 ms on 2.0 over the plain T = 128 rows).
 #include <benchmark/benchmark.h>
 
 #include <time.h>

@@ -564,6 +564,7 @@ TEST(rounding, IndexerHadamardRoundsAsTheExactProduct) {
 
 // Appended section (issue 17, the compressors end to end): the projections feed the pooling.
 #include <cstdlib>
+#include <limits>
 
 namespace {
 
@@ -574,31 +575,33 @@ namespace {
 // the long dots' error (Bf16RowDotRoundsAsTheExactDot), as in a served step. Request b closes
 // window c_b, and its L candidate positions (CSA and inner: 2 × 4, HCA: 128) are projected by
 // L / 8 steps of S = 8 tokens (MTP's largest S), the last token emitting the row; kernel and
-// golden each run their own state pool. Per path: the BF16 row values (inner: bf16(y) and the
-// INT8 row) that differ from golden's, and the expected rate sum_i |y_i - y_gold,i| /
-// ulp_bf16(y_gold,i) / n (the chance that a value with that error sits across a BF16 rounding
-// boundary from the exact one: the rate the counts estimate, without their sampling noise at
-// these sample sizes). The same for the state rows themselves (the FP32 kv columns: the long dots
-// alone), and a control: golden's pooling of the same windows with the state's projections in the
-// previous order (8 FP32 lanes over the whole row, as in Bf16RowDotRoundsAsTheExactDot), which
-// the bar must reject.
+// golden each run their own state pool. A control: golden's pooling of the same windows with the
+// state rows projected in the previous order (8 FP32 lanes over the whole row, as in
+// Bf16RowDotRoundsAsTheExactDot), which the bar must reject.
 //
-// Measured (AMD EPYC Zen 5, seeded; the scalar, avx2, avx2_vnni and avx512 Bf16Dot::fma paths
-// are bit-identical, so one figure; expected rates, observed counts in brackets):
-//   quantity              fma paths          avx512/dpbf16      old dots (control)
-//   CSA cmp_kv BF16       1.67e-4 (1/8192)   9.2e-5 (0/8192)    3.85e-4 (3/8192)
-//   HCA cmp_kv BF16       1.58e-4 (1/2048)   1.10e-4 (0/2048)   2.86e-4 (0/2048)
-//   inner bf16(y)         1.46e-4 (1/8192)   1.10e-4 (2/8192)   2.87e-4 (2/8192)
-//   inner INT8            0 / 8192           0 / 8192           0 / 8192
-//   state kv (the dots)   0.94-1.19e-4       7.8-8.3e-5         -
-// The rows carry somewhat more than their dots: the pooled mean is smaller than the candidates'
-// kv while their errors (and the scores', through the softmax weights) do not shrink with it,
-// and the RMS norm scales the pooled row back up. Bar kE2eRowBar = 2e-4, from these figures:
-// above every path (the largest, CSA on the FMA order, 1.67e-4) and below every control (the
-// smallest, HCA, 2.86e-4). It is not the issue's "near zero": that needs exact long dots (see
-// kBf16DotBar's note at the top). The counts are reported, not asserted (a few events at these
-// sample sizes); the INT8 rows are held to kQ8Bar.
-constexpr double kE2eRowBar = 2e-4;
+// What is asserted: the error level, Σ |y - y_gold| / ulp_bf16(rms of y_gold's row) / n, the
+// mean error in BF16 ulps at the row's scale. The flip counts (BF16 values, inner INT8 values
+// that differ from golden's) are printed, not asserted: at these sample sizes they are a few
+// events, and a per-value estimate in ulps of each value (|δ| / ulp_bf16(y)) is as noisy, its
+// sum dominated by the few values near zero (seeds 1-6 moved it 2-4x). An inner INT8 flip
+// follows a bf16(y) flip (one flipped y element moves every z of its row through the
+// Hadamard), so it is no separate property here; the pooling-only test above holds it to 0.
+//
+// Measured (AMD EPYC Zen 5; the scalar, avx2, avx2_vnni and avx512 Bf16Dot::fma paths are
+// bit-identical, so one figure), error level over the committed seed and 8 others (seed + 1..8):
+//   quantity              fma paths             avx512/dpbf16         old dots (control)
+//   CSA cmp_kv            2.32e-5 (1.55-2.41)   1.76e-5 (1.16-1.79)   4.94e-5 (3.26-4.99)
+//   HCA cmp_kv            2.45e-5 (2.17-3.26)   1.89e-5 (1.72-2.69)   5.38e-5 (4.76-7.16)
+//   inner bf16(y)         1.65e-5 (1.65-1.80)   1.26e-5 (1.22-1.36)   3.46e-5 (3.45-3.78)
+//   state kv (the dots)   1.16-1.17e-5          8.1e-6                -
+// (committed seed, and the range over the 9 seeds, all ×1e-5 in brackets). Flip counts at the
+// committed seed: CSA 1 / 8192 (fma), 0 (dpbf16), 3 (control); HCA 1 / 2048, 0, 0; inner 1 / 8192,
+// 2, 2; inner INT8 0 everywhere (3 / 8192 on every path, control included, at seed + 7). The rows
+// carry more than their dots: the pooled mean is smaller than the candidates' kv while their
+// errors (and the scores', through the softmax weights) do not shrink with it, and the RMS norm
+// scales the row back up. Bars per compressor, between the largest path and the smallest control
+// over the 9 seeds: CSA 2.8e-5, HCA 4e-5, inner 2.5e-5. This is not the issue's "near zero": that
+// needs exact long dots (kBf16DotBar's note at the top).
 
 double ulp_bf16(float v) {
   const float a = std::fabs(v);
@@ -611,25 +614,30 @@ double ulp_bf16(float v) {
 struct E2eRate {
   Rate bf16;         // BF16 row values (inner: bf16(y)) off golden's
   Rate q8;           // inner: INT8 index values off golden's
-  double sum = 0.0;  // sum of |y - y_gold| / ulp_bf16(y_gold)
+  double sum = 0.0;  // sum of |y - y_gold| / ulp_bf16(rms of y_gold's row)
   long n = 0;
-  void add_expected(float got, float gold) {
-    const double u = ulp_bf16(gold);
-    if (u > 0.0) sum += std::min(1.0, std::fabs(double(got) - double(gold)) / u);
-    ++n;
+  // One row: its values' errors in BF16 ulps at the row's RMS.
+  void add_row(const float* got, const float* gold, index_t len) {
+    double ss = 0.0;
+    for (index_t i = 0; i < len; ++i) ss += double(gold[i]) * double(gold[i]);
+    const double u = ulp_bf16(float(std::sqrt(ss / double(len))));
+    for (index_t i = 0; i < len; ++i)
+      sum += u > 0.0 ? std::fabs(double(got[i]) - double(gold[i])) / u : 0.0;
+    n += long(len);
   }
-  double expected() const { return n ? sum / double(n) : 0.0; }
+  double level() const { return n ? sum / double(n) : 0.0; }
 };
 
 void report_e2e(const std::string& what, const std::string& tier, const E2eRate& r, bool q8) {
-  std::printf("  %-44s %-13s %4ld / %6ld = %.2e, expected %.2e", what.c_str(), tier.c_str(),
-              r.bf16.diff, r.bf16.n, r.bf16.rate(), r.expected());
+  std::printf("  %-44s %-13s %4ld / %6ld = %.2e, error level %.2e", what.c_str(), tier.c_str(),
+              r.bf16.diff, r.bf16.n, r.bf16.rate(), r.level());
   if (q8) std::printf(", INT8 %ld / %ld", r.q8.diff, r.q8.n);
   std::printf("\n");
-  testing::Test::RecordProperty(what + " " + tier + " expected", std::to_string(r.expected()));
+  testing::Test::RecordProperty(what + " " + tier + " error level", std::to_string(r.level()));
 }
 
-void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, const char* name) {
+void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, double bar,
+                         const char* name) {
   // Golden's D = 4096 double dots take 25-50 s per test under ASan + checked views; the same
   // kernels run there in test_compressor and in the pooling-only rounding tests above.
   if (std::getenv("TILEDECODE_SANITIZE_LEAN") != nullptr)
@@ -727,8 +735,8 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, const char
       const float a = o.kv_out.data()[i], e = g.kv_out.data()[i];
       r.bf16.add(inner ? td::round_bf16(a) != td::round_bf16(e)
                        : o.cmp.data()[i].bits != g.cmp.data()[i].bits);
-      r.add_expected(a, e);
     }
+    for (index_t b = 0; b < B; ++b) r.add_row(&o.kv_out.view()(b, 0), &g.kv_out.view()(b, 0), HD);
     if (inner) {
       for (std::size_t i = 0; i < o.idx.size(); ++i) r.q8.add(o.idx.data()[i] != g.idx.data()[i]);
     }
@@ -739,7 +747,9 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, const char
   E2eRate old;
   {
     Out o = fresh();
-    std::copy(g.state.flat().begin(), g.state.flat().end(), o.state.flat().begin());
+    // NaN everywhere first: a candidate row the loop below misses would show as NaN rows.
+    std::fill(o.state.flat().begin(), o.state.flat().end(),
+              std::numeric_limits<float>::quiet_NaN());
     std::vector<float> wk(static_cast<std::size_t>(OUT * D)), wg(wk.size()),
         x(static_cast<std::size_t>(D));
     for (std::size_t i = 0; i < wk.size(); ++i) {
@@ -777,7 +787,7 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, const char
   }
   const std::string what(name);
   report_e2e(what + (inner ? " bf16(y) (old dots)" : " BF16 row (old dots)"), "-", old, inner);
-  EXPECT_GT(old.expected(), kE2eRowBar) << "the measurement no longer sees the old order's error";
+  EXPECT_GT(old.level(), bar) << "the measurement no longer sees the old order's error";
 
   const auto paths = cmp_paths();
   td::ThreadPool pool(2);
@@ -798,31 +808,29 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, const char
     }
     E2eRate rows, state;
     add_rows(rows, o);
-    for (index_t r = 0; r < o.state.extent(0); ++r)
+    for (index_t r = 0; r < o.state.extent(0); ++r) {
       for (index_t n = 0; n < OUT; ++n) {
         const float a = o.state.view()(r, n), e = g.state.view()(r, n);
         state.bf16.add(td::round_bf16(a) != td::round_bf16(e));
-        state.add_expected(a, e);
       }
+      state.add_row(&o.state.view()(r, 0), &g.state.view()(r, 0), OUT);
+    }
     report_e2e(what + " state kv BF16 (the dots)", path.name, state, false);
     report_e2e(what + (inner ? " bf16(y)" : " BF16 row"), path.name, rows, inner);
-    EXPECT_LE(rows.expected(), kE2eRowBar);
-    if (inner) {
-      EXPECT_LE(rows.q8.rate(), kQ8Bar);
-    }
+    EXPECT_LE(rows.level(), bar);
   }
 }
 
 TEST(rounding, CsaCompressorRowsWithProjectionsRoundAsTheExactRows) {
-  compressor_e2e_test(CmpKind::csa, 16, 1901, "CSA cmp_kv e2e");
+  compressor_e2e_test(CmpKind::csa, 16, 1901, 2.8e-5, "CSA cmp_kv e2e");
 }
 
 TEST(rounding, HcaCompressorRowsWithProjectionsRoundAsTheExactRows) {
-  compressor_e2e_test(CmpKind::hca, 4, 1902, "HCA cmp_kv e2e");
+  compressor_e2e_test(CmpKind::hca, 4, 1902, 4e-5, "HCA cmp_kv e2e");
 }
 
 TEST(rounding, IndexerCompressorRowsWithProjectionsRoundAsTheExactRows) {
-  compressor_e2e_test(CmpKind::inner, 64, 1903, "inner e2e");
+  compressor_e2e_test(CmpKind::inner, 64, 1903, 2.5e-5, "inner e2e");
 }
 
 }  // namespace
