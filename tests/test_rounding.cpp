@@ -82,6 +82,16 @@ void add_bf16(Rate& r, const std::vector<float>& got, const std::vector<float>& 
 constexpr double kBf16DotBar = 1e-4;
 constexpr double kQ8Bar = 2e-5;
 
+// The previous order of the BF16 row dots (before the two-level blocks): 8 FP32 lanes (k % 8)
+// over the whole row, summed as ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)). Every product of
+// BF16-valued x and w is exact in FP32.
+float old_order_dot(const float* x, const float* w, index_t d) {
+  float lanes[8] = {};
+  for (index_t k = 0; k < d; ++k) lanes[k % 8] += x[k] * w[k];
+  return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) +
+         ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+}
+
 // ---------------------------------------------------------------------------------------------
 // The BF16-row micro-kernel of the compressor projections and the o-proj's wo_a stage: 128
 // tokens × 1024 rows of a 4096-long dot, x ~ N(0, 1) and w ~ N(0, 1/64) in BF16.
@@ -94,19 +104,17 @@ TEST(rounding, Bf16RowDotRoundsAsTheExactDot) {
   sy::fill_normal(host, w.flat(), sy::tensor_key(17, 0, 2), 0.0f, 1.0f / 64.0f);
   std::vector<float> x(std::size_t(T * D));
   for (std::size_t i = 0; i < x.size(); ++i) x[i] = xb.flat()[i].to_float();
+  std::vector<float> wf(std::size_t(R * D));
+  for (std::size_t i = 0; i < wf.size(); ++i) wf[i] = w.flat()[i].to_float();
   std::vector<float> exact(std::size_t(T * R)), old(std::size_t(T * R));
   for (index_t t = 0; t < T; ++t)
     for (index_t r = 0; r < R; ++r) {
+      const float* xr = x.data() + t * D;
+      const float* wr = wf.data() + r * D;
       double s = 0.0;
-      float lanes[8] = {};  // the previous order: 8 FP32 lanes over the whole row
-      for (index_t k = 0; k < D; ++k) {
-        const float p = x[std::size_t(t * D + k)] * w.view()(r, k).to_float();
-        s += double(p);
-        lanes[k % 8] += p;
-      }
+      for (index_t k = 0; k < D; ++k) s += double(xr[k] * wr[k]);
       exact[std::size_t(t * R + r)] = float(s);
-      old[std::size_t(t * R + r)] = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) +
-                                    ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+      old[std::size_t(t * R + r)] = old_order_dot(xr, wr, D);
     }
   Rate old_bf16, old_q8;
   add_bf16(old_bf16, old, exact);
@@ -308,15 +316,64 @@ std::vector<CmpPath> cmp_paths() {
   return v;
 }
 
+td::kernels::CompressorSpec cmp_spec(CmpKind kind, const td::ModelConfig& cfg) {
+  namespace tk = td::kernels;
+  return kind == CmpKind::csa   ? tk::csa_compressor_spec(cfg)
+         : kind == CmpKind::hca ? tk::hca_compressor_spec(cfg)
+                                : tk::indexer_compressor_spec(cfg);
+}
+
+// One compressor step's outputs for B requests (kv_out per request; cmp / idx / scale indexed by
+// the cmp slot b), and the step on golden or on a kernel path: the inner compressor (INT8 rows
+// through the Hadamard) or a main one (BF16 rows).
+struct CmpOut {
+  td::Tensor<bf16, 2> cmp;
+  td::Tensor<std::int8_t, 2> idx;
+  td::Tensor<float, 1> scale;
+  td::Tensor<float, 2> kv_out;
+  CmpOut(index_t B, index_t HD) : cmp({B, HD}), idx({B, HD}), scale({B}), kv_out({B, HD}) {}
+};
+
+struct CmpStepInputs {
+  const td::ModelConfig& cfg;
+  const td::kernels::CompressorSpec& spec;
+  const td::kernels::CompressorWeights& w;
+  td::ConstView<bf16, 2> hadamard;
+  const td::RopeTableView& rope;
+  bool inner;
+};
+
+void golden_cmp_step(const CmpStepInputs& in, td::View<float, 2> state, CmpOut& o,
+                     td::ConstView<bf16, 2> x_n, const td::kernels::CompressorMetadata& meta) {
+  if (in.inner) {
+    td::golden::indexer_compressor_step(in.cfg, state, o.idx.view(), o.scale.view(),
+                                        o.kv_out.view(), x_n, in.w, in.hadamard, meta, in.rope);
+  } else {
+    td::golden::compressor_step(in.cfg, in.spec, state, o.cmp.view(), o.kv_out.view(), x_n, in.w,
+                                meta, in.rope);
+  }
+}
+
+void kernel_cmp_step(const td::cpu::Context& ctx, const CmpStepInputs& in, td::View<float, 2> state,
+                     CmpOut& o, td::ConstView<bf16, 2> x_n,
+                     const td::kernels::CompressorMetadata& meta, td::View<float, 1> ws) {
+  if (in.inner) {
+    td::kernels::indexer_compressor_step(ctx, in.cfg, state, o.idx.view(), o.scale.view(),
+                                         o.kv_out.view(), x_n, in.w, in.hadamard, meta, in.rope,
+                                         ws);
+  } else {
+    td::kernels::compressor_step(ctx, in.cfg, in.spec, state, o.cmp.view(), o.kv_out.view(), x_n,
+                                 in.w, meta, in.rope, ws);
+  }
+}
+
 void compressor_rate_step(CmpKind kind, index_t B, float kv_std, float score_std,
                           std::uint64_t seed, std::vector<CmpRates>& tiers, CmpRates& old,
                           std::vector<float>& y_rows) {
   namespace tk = td::kernels;
   td::ModelConfig cfg = td::flash_config();
   cfg.hidden = 64;  // the projections do not reach the pooled rows here (state slots -1)
-  const tk::CompressorSpec spec = kind == CmpKind::csa   ? tk::csa_compressor_spec(cfg)
-                                  : kind == CmpKind::hca ? tk::hca_compressor_spec(cfg)
-                                                         : tk::indexer_compressor_spec(cfg);
+  const tk::CompressorSpec spec = cmp_spec(kind, cfg);
   const bool inner = kind == CmpKind::inner;
   const index_t R = spec.ratio, HD = spec.head_dim, OUT = spec.out_dim(), SW = spec.state_width();
   const index_t page = tk::compressor_state_page(cfg, spec), D = cfg.hidden;
@@ -358,26 +415,11 @@ void compressor_rate_step(CmpKind kind, index_t B, float kv_std, float score_std
   const tk::CompressorWeights w{wkv.view(), wgate.view(), ape.view(), norm_w.view()};
   const tk::CompressorMetadata meta{shape, positions.view(), state_slots.view(), cmp_slots.view(),
                                     table.view()};
+  const td::RopeTableView rv = rope.view();
+  const CmpStepInputs in{cfg, spec, w, hadamard.view(), rv, inner};
 
-  struct Out {
-    td::Tensor<bf16, 2> cmp;
-    td::Tensor<std::int8_t, 2> idx;
-    td::Tensor<float, 1> scale;
-    td::Tensor<float, 2> kv_out;
-  };
-  const auto fresh = [&] {
-    return Out{td::Tensor<bf16, 2>({B, HD}), td::Tensor<std::int8_t, 2>({B, HD}),
-               td::Tensor<float, 1>({B}), td::Tensor<float, 2>({B, HD})};
-  };
-  Out g = fresh();
-  if (inner) {
-    td::golden::indexer_compressor_step(cfg, state.view(), g.idx.view(), g.scale.view(),
-                                        g.kv_out.view(), x_n.view(), w, hadamard.view(), meta,
-                                        rope.view());
-  } else {
-    td::golden::compressor_step(cfg, spec, state.view(), g.cmp.view(), g.kv_out.view(), x_n.view(),
-                                w, meta, rope.view());
-  }
+  CmpOut g(B, HD);
+  golden_cmp_step(in, state.view(), g, x_n.view(), meta);
   if (inner)
     for (float v : g.kv_out.flat()) y_rows.push_back(td::round_bf16(v));
 
@@ -434,16 +476,9 @@ void compressor_rate_step(CmpKind kind, index_t B, float kv_std, float score_std
   td::ThreadPool pool(2);
   for (std::size_t k = 0; k < paths.size(); ++k) {
     const td::cpu::Context ctx{&pool, paths[k].isa, paths[k].bf16};
-    Out o = fresh();
+    CmpOut o(B, HD);
     td::Tensor<float, 1> ws({tk::compressor_workspace_size(cfg, spec, B)});
-    if (inner) {
-      tk::indexer_compressor_step(ctx, cfg, state.view(), o.idx.view(), o.scale.view(),
-                                  o.kv_out.view(), x_n.view(), w, hadamard.view(), meta,
-                                  rope.view(), ws.view());
-    } else {
-      tk::compressor_step(ctx, cfg, spec, state.view(), o.cmp.view(), o.kv_out.view(), x_n.view(),
-                          w, meta, rope.view(), ws.view());
-    }
+    kernel_cmp_step(ctx, in, state.view(), o, x_n.view(), meta, ws.view());
     CmpRates& t = tiers[k];
     for (std::size_t i = 0; i < o.kv_out.size(); ++i) {
       const float a = o.kv_out.data()[i], e = g.kv_out.data()[i];
@@ -644,9 +679,7 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, double bar
     GTEST_SKIP() << "skipped in the sanitizer pass (TILEDECODE_SANITIZE_LEAN)";
   namespace tk = td::kernels;
   const td::ModelConfig cfg = td::flash_config();
-  const tk::CompressorSpec spec = kind == CmpKind::csa   ? tk::csa_compressor_spec(cfg)
-                                  : kind == CmpKind::hca ? tk::hca_compressor_spec(cfg)
-                                                         : tk::indexer_compressor_spec(cfg);
+  const tk::CompressorSpec spec = cmp_spec(kind, cfg);
   const bool inner = kind == CmpKind::inner;
   const index_t R = spec.ratio, HD = spec.head_dim, OUT = spec.out_dim(), SW = spec.state_width();
   const index_t page = tk::compressor_state_page(cfg, spec), D = cfg.hidden;
@@ -704,41 +737,28 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, double bar
     return tk::CompressorMetadata{shape, s.pos.view(), s.state_slots.view(), s.cmp_slots.view(),
                                   table.view()};
   };
+  // A run's state pool and outputs.
   struct Out {
     td::Tensor<float, 2> state;
-    td::Tensor<bf16, 2> cmp;
-    td::Tensor<std::int8_t, 2> idx;
-    td::Tensor<float, 1> scale;
-    td::Tensor<float, 2> kv_out;
+    CmpOut out;
   };
   const auto fresh = [&] {
-    Out o{td::Tensor<float, 2>({index_t(blocks) * page, SW}), td::Tensor<bf16, 2>({B, HD}),
-          td::Tensor<std::int8_t, 2>({B, HD}), td::Tensor<float, 1>({B}),
-          td::Tensor<float, 2>({B, HD})};
-    return o;
+    return Out{td::Tensor<float, 2>({index_t(blocks) * page, SW}), {B, HD}};
   };
-  const auto golden_step = [&](Out& o, const tk::CompressorMetadata& m, const Step& s) {
-    if (inner) {
-      td::golden::indexer_compressor_step(cfg, o.state.view(), o.idx.view(), o.scale.view(),
-                                          o.kv_out.view(), s.x_n.view(), w, hadamard.view(), m,
-                                          rope.view());
-    } else {
-      td::golden::compressor_step(cfg, spec, o.state.view(), o.cmp.view(), o.kv_out.view(),
-                                  s.x_n.view(), w, m, rope.view());
-    }
-  };
+  const td::RopeTableView rv = rope.view();
+  const CmpStepInputs in{cfg, spec, w, hadamard.view(), rv, inner};
   Out g = fresh();
-  for (const Step& s : st) golden_step(g, meta(s), s);
+  for (const Step& s : st) golden_cmp_step(in, g.state.view(), g.out, s.x_n.view(), meta(s));
 
-  const auto add_rows = [&](E2eRate& r, const Out& o) {
+  const auto add_rows = [&](E2eRate& r, const CmpOut& o) {
+    const CmpOut& e = g.out;
     for (std::size_t i = 0; i < o.kv_out.size(); ++i) {
-      const float a = o.kv_out.data()[i], e = g.kv_out.data()[i];
-      r.bf16.add(inner ? td::round_bf16(a) != td::round_bf16(e)
-                       : o.cmp.data()[i].bits != g.cmp.data()[i].bits);
+      r.bf16.add(inner ? td::round_bf16(o.kv_out.data()[i]) != td::round_bf16(e.kv_out.data()[i])
+                       : o.cmp.data()[i].bits != e.cmp.data()[i].bits);
     }
-    for (index_t b = 0; b < B; ++b) r.add_row(&o.kv_out.view()(b, 0), &g.kv_out.view()(b, 0), HD);
+    for (index_t b = 0; b < B; ++b) r.add_row(&o.kv_out.view()(b, 0), &e.kv_out.view()(b, 0), HD);
     if (inner) {
-      for (std::size_t i = 0; i < o.idx.size(); ++i) r.q8.add(o.idx.data()[i] != g.idx.data()[i]);
+      for (std::size_t i = 0; i < o.idx.size(); ++i) r.q8.add(o.idx.data()[i] != e.idx.data()[i]);
     }
   };
 
@@ -756,20 +776,14 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, double bar
       wk[i] = wkv.flat()[i].to_float();
       wg[i] = wgate.flat()[i].to_float();
     }
-    const auto old_dot = [&](const float* a, const float* b) {
-      float lanes[8] = {};
-      for (index_t k = 0; k < D; ++k) lanes[k % 8] += a[k] * b[k];
-      return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) +
-             ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-    };
     for (const Step& s : st)
       for (index_t t = 0; t < B * S; ++t) {
         for (index_t k = 0; k < D; ++k) x[std::size_t(k)] = s.x_n.view()(t, k).to_float();
         const index_t slot = index_t(s.state_slots.view()(t)), p = s.pos.view()(t);
         for (index_t n = 0; n < OUT; ++n) {
-          o.state.view()(slot, n) = old_dot(x.data(), wk.data() + n * D);
+          o.state.view()(slot, n) = old_order_dot(x.data(), wk.data() + n * D, D);
           o.state.view()(slot, OUT + n) =
-              old_dot(x.data(), wg.data() + n * D) + ape.view()(p % R, n);
+              old_order_dot(x.data(), wg.data() + n * D, D) + ape.view()(p % R, n);
         }
       }
     Step last_tok{td::Tensor<std::int32_t, 1>({B}), td::Tensor<std::int64_t, 1>({B}),
@@ -782,8 +796,8 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, double bar
     const tk::CompressorMetadata m1{td::paged::StepShape{int(B), 1, -1}, last_tok.pos.view(),
                                     last_tok.state_slots.view(), last_tok.cmp_slots.view(),
                                     table.view()};
-    golden_step(o, m1, last_tok);
-    add_rows(old, o);
+    golden_cmp_step(in, o.state.view(), o.out, last_tok.x_n.view(), m1);
+    add_rows(old, o.out);
   }
   const std::string what(name);
   report_e2e(what + (inner ? " bf16(y) (old dots)" : " BF16 row (old dots)"), "-", old, inner);
@@ -796,18 +810,10 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, double bar
     const td::cpu::Context ctx{&pool, path.isa, path.bf16};
     Out o = fresh();
     td::Tensor<float, 1> ws({tk::compressor_workspace_size(cfg, spec, B * S)});
-    for (const Step& s : st) {
-      if (inner) {
-        tk::indexer_compressor_step(ctx, cfg, o.state.view(), o.idx.view(), o.scale.view(),
-                                    o.kv_out.view(), s.x_n.view(), w, hadamard.view(), meta(s),
-                                    rope.view(), ws.view());
-      } else {
-        tk::compressor_step(ctx, cfg, spec, o.state.view(), o.cmp.view(), o.kv_out.view(),
-                            s.x_n.view(), w, meta(s), rope.view(), ws.view());
-      }
-    }
+    for (const Step& s : st)
+      kernel_cmp_step(ctx, in, o.state.view(), o.out, s.x_n.view(), meta(s), ws.view());
     E2eRate rows, state;
-    add_rows(rows, o);
+    add_rows(rows, o.out);
     for (index_t r = 0; r < o.state.extent(0); ++r) {
       for (index_t n = 0; n < OUT; ++n) {
         const float a = o.state.view()(r, n), e = g.state.view()(r, n);
