@@ -589,44 +589,47 @@ TEST(CompressorTiers, Avx512Bf16DotMatchesGolden) {
 }
 
 // vdpbf16ps rows: bf16_rows_dot_blocked (from kBf16BlockedMinTokens tokens, on the token panel)
-// against bf16_rows_dot, every output bit, for token counts around the 4-token tiles, the 8-token
-// lane sums and the 64-token chunks, row counts around the 6-row blocks, reductions with a
-// partial last block of 1024 and shorter than one (and a width that is no multiple of 32), with
-// whole fold groups of 2 k-blocks (4096) and a last group of one (4650: 5 blocks), both = and +=:
-// a request's projection does not depend on its batch.
+// against bf16_rows_dot, every output bit, for token counts around the 16-token panel tiles and
+// the 64-token groups, row counts around the 16-row lanes, the 6-row tiles and the 48-row panels,
+// reductions with a partial last 64-k block (4650, 1050, 34: 17 pairs, a partial 16-pair piece),
+// one pair (2), with fold groups of 4 blocks and a partial last one (4650: 73 blocks), both = and
+// +=; and bf16_rows_dot on each token alone against all of them at once (its 8-token passes and
+// 64-token chunks): a request's projection does not depend on its batch.
 TEST(CompressorTiers, Avx512Bf16RowsBlockedBitIdentical) {
   if (!td::cpu::cpu_supports(td::cpu::Isa::avx512))
     GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  namespace a5 = td::cpu::avx512;
   tdtest::Rng rng(92);
-  for (index_t d : {4096, 4650, 1050, 32})
-    for (index_t rows : {13, 6, 4, 1})
-      for (index_t T : {16, 17, 23, 64, 71, 130}) {
+  for (index_t d : {4096, 4650, 1050, 34, 2})
+    for (index_t rows : {49, 17, 13, 6, 1})
+      for (index_t T : {16, 17, 31, 64, 71, 130}) {
         std::vector<bf16> x(std::size_t(T * d)), w(std::size_t(rows * d));
         for (auto& v : x) v = bf16(rng.normal());
         for (auto& v : w) v = bf16(rng.normal() * 0.125f);
         const index_t ld = rows + 3;
         std::vector<float> a(std::size_t(T * ld));
         for (auto& v : a) v = rng.normal();
-        std::vector<float> b = a, c = a, e = a;
+        std::vector<float> b = a, c = a, e = a, one = a;
         // The blocked kernel's token panel; filled with NaN first, so a read of a slot the packing
-        // does not write (past the last token of a partial tile) would show.
-        std::vector<bf16> xp(std::size_t(td::cpu::avx512::bf16_panel_elems(T, d)),
-                             bf16::from_bits(0x7fc0));
-        for (index_t p = 0; p < (T + 3) / 4; ++p)
-          td::cpu::avx512::pack_bf16_panel_tile(xp.data(), x.data(), d, T, d, p);
-        const index_t ld_tile = td::cpu::avx512::bf16_panel_tile_elems(d);
-        td::cpu::avx512::bf16_rows_dot<false>(a.data(), ld, x.data(), d, T, w.data(), d, rows, d,
-                                              rows);
-        td::cpu::avx512::bf16_rows_dot_blocked<false>(b.data(), ld, xp.data(), ld_tile, T, w.data(),
-                                                      d, rows, d, rows);
-        td::cpu::avx512::bf16_rows_dot<true>(c.data(), ld, x.data(), d, T, w.data(), d, rows, d,
-                                             rows);
-        td::cpu::avx512::bf16_rows_dot_blocked<true>(e.data(), ld, xp.data(), ld_tile, T, w.data(),
-                                                     d, rows, d, rows);
+        // does not write would show.
+        std::vector<bf16> xp(std::size_t(a5::bf16_panel_elems(T, d)), bf16::from_bits(0x7fc0));
+        for (index_t p = 0; p < a5::bf16_panel_tiles(T); ++p)
+          a5::pack_bf16_panel_tile(xp.data(), x.data(), d, T, d, p);
+        const index_t ld_tile = a5::bf16_panel_tile_elems(d);
+        a5::bf16_rows_dot<false>(a.data(), ld, x.data(), d, T, w.data(), d, rows, d, rows);
+        a5::bf16_rows_dot_blocked<false>(b.data(), ld, xp.data(), ld_tile, T, w.data(), d, rows, d,
+                                         rows);
+        a5::bf16_rows_dot<true>(c.data(), ld, x.data(), d, T, w.data(), d, rows, d, rows);
+        a5::bf16_rows_dot_blocked<true>(e.data(), ld, xp.data(), ld_tile, T, w.data(), d, rows, d,
+                                        rows);
+        for (index_t t = 0; t < T; ++t)
+          a5::bf16_rows_dot<false>(one.data() + t * ld, ld, x.data() + t * d, d, 1, w.data(), d,
+                                   rows, d, rows);
         const std::string at =
             "d=" + std::to_string(d) + " rows=" + std::to_string(rows) + " T=" + std::to_string(T);
         EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4)) << at;
         EXPECT_EQ(0, std::memcmp(c.data(), e.data(), c.size() * 4)) << at << " (+=)";
+        EXPECT_EQ(0, std::memcmp(a.data(), one.data(), a.size() * 4)) << at << " (one token)";
       }
 }
 

@@ -1,20 +1,45 @@
 #pragma once
-// The BF16-row micro-kernel on the AVX-512 tier (Isa::avx512): avx2::bf16_rows_dot's contract
-// with the activations in BF16 as well, on vdpbf16ps (AVX512_BF16: 32 BF16 pairs per instruction,
-// 2 FLOP per pair, twice the FP32 FMA rate on Zen 4 where 512-bit FMA is double-pumped),
-//   out[t, r] (= or +=) Σ_k x[t, k] · w[r, k]      BF16 x and w, FP32 then double accumulation.
-// Used by the output projection's wo_a stage (its activations are o_packed, BF16 already).
+// The BF16-row kernels of the AVX-512 tier (Isa::avx512) on vdpbf16ps (AVX512_BF16: 16 FP32
+// lanes, each adding the two products of one BF16 pair per instruction),
+//   out[t, r] (= or +=) Σ_k x[t, k] · w[r, k]      BF16 x and w, FP32 then double accumulation,
+// for Bf16Dot::dpbf16: the o-proj's wo_a, the compressors' wkv / wgate, the q/kv projections.
 //
-// Summation order (two-level, as avx2::bf16_rows_dot; it is not that kernel's order, so this tier
-// is not bit-identical to avx2 here: tested against golden and for rounding accuracy instead).
-// Lane l (16 lanes) of an accumulator gets the pairs k = 32j + 2l, 32j + 2l + 1: vdpbf16ps adds
-// the two products to the lane one after the other (each product of two BF16 values is exact in
-// FP32, each addition rounds to nearest even), over one block of kBf16DotBlock k (64 products
-// per lane); the lane partial is then added to a double accumulator of that lane, and at the end
-// the 16 double lanes are summed in ascending l and rounded once to FP32. Unlike the FMA tiers
-// vdpbf16ps treats subnormal inputs and results as zero (DAZ / FTZ, a documented difference of
-// this tier: docs/security.md); NaN and ±Inf propagate as in IEEE arithmetic. Reached only after
-// the runtime ISA check.
+// Summation order, one for both kernels below and for any token count (a request's bits do not
+// depend on its batch). For each output (t, r) and each block of kDpbf16BlockK = 64 consecutive k
+// (the last one shorter when d % 64 != 0), one FP32 lane takes the block's pairs (k = 2p, 2p + 1)
+// in ascending p, one vdpbf16ps per pair, from +0 (a product of two BF16 values is exact in FP32;
+// the instruction adds the pair's two products to the lane, rounding to nearest even); the block's
+// partial is then added to the output's double sum, block after block from +0, and the double is
+// rounded once to FP32 (kAccumulate: float(double(out) + sum)). So 64 products per FP32 partial,
+// as in the order this replaced (16 lanes × 64 products per 1024 k). It is not the avx2 tier's
+// order: this tier is tested against golden and for rounding accuracy, not for bit-identity with
+// avx2. Unlike the FMA tiers vdpbf16ps treats subnormal inputs and results as zero (DAZ / FTZ, a
+// documented difference of this tier: docs/security.md); NaN and ±Inf propagate as in IEEE
+// arithmetic. Reached only after the runtime ISA check.
+//
+// Two arrangements compute that order, with the lanes on different axes; the operands of each
+// vdpbf16ps (x's pair and w's pair) and every addition are the same, so are the bits
+// (CompressorTiers.Avx512Bf16RowsBlockedBitIdentical):
+// - lane per weight row (bf16_rows_dot on x's rows, below kBf16BlockedMinTokens tokens; and
+//   bf16_rows_dot_blocked's last group when it has fewer than 32 tokens, on the panel): the 16
+//   rows' 64-k segments are transposed in registers (two 16 × 16 dword transposes) into a vector
+//   per pair, held in L1 (2 KB), and each token's pair is broadcast against it (vdpbf16ps's
+//   broadcast memory operand), 8 tokens per pass on rows (their rows, 8 KB apart at d = 4096,
+//   share an L1 set) or 16 on the panel (a pair of 16 tokens is one line). The weights are read
+//   as whole 64-byte lines, once per 64 tokens.
+// - lane per token (bf16_rows_dot_blocked, from kBf16BlockedMinTokens tokens, on a token panel
+//   packed once per call): the panel holds each 16-token tile's pairs side by side (a vector per
+//   pair), and each weight row's pair is broadcast against it: register tiles of 6 rows × 64
+//   tokens (24 accumulators; per pair 4 panel loads from L1, 6 broadcasts of 4 bytes, 24
+//   vdpbf16ps). The previous kernel's dot-product tiles (a vector of 32 k of one row against 32 k
+//   of one token) took 4 token loads from L2 and 6 row loads per 24 vdpbf16ps; here the weights
+//   take no vector load, and a 64-k slab of the panel (8 KB) serves 48 rows from L1.
+// Zen 5 (AVX-512 F/BW/VL/VNNI/BF16), one thread, the CSA compressor's shape (2 × 1024 rows ×
+// 4096, the weights rotated over 12 copies on huge pages), minimum of 21 rounds interleaved with
+// the previous kernels (24-row calls; these: 48-row calls, kDpbf16TaskRows) in one process: T = 8
+// (rows) 1.13 -> 0.92 ms, T = 16 1.29 -> 1.21, T = 24 1.85 -> 1.93, T = 32 2.17 -> 2.01, T = 48
+// 3.00 -> 2.75, T = 80 4.85 -> 4.49, T = 128 8.11 -> 7.43 ms (in a quieter minute 7.4-7.9 ->
+// 6.4-7.0), T = 512 29.1-29.3 -> 25.0-25.3 ms (293 -> 342 GFLOP/s).
 
 #include <algorithm>
 #include <cstdint>
@@ -31,216 +56,218 @@
 TILEDECODE_AVX512_BEGIN
 namespace tiledecode::cpu::avx512 {
 
+inline constexpr index_t kDpbf16BlockK = 64;  // k per FP32 partial (32 pairs, 64 products)
+
+// Rows per task for the callers that split their weights into row tasks (the compressors): a
+// multiple of bf16_rows_dot's 16 lanes and of the blocked kernel's 6-row tiles. The split does
+// not change a bit (each output's sum is its own).
+inline constexpr index_t kDpbf16TaskRows = 48;
+
 namespace bf16_rows_detail {
 
-using avx2::bf16_rows_detail::Prefetch;
-using avx2::bf16_rows_detail::prefetch_at;
+// The pair (p[0], p[1]) in every lane.
+TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline __m512bh pair_bcast(const bf16* p) {
+  std::int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return (__m512bh)_mm512_set1_epi32(v);
+}
 
-// The BF16 elements [k, k + 32) of a row: whole (kMasked = false: k + 32 <= n), or zero past n
-// through a zeroing mask (the tail; a zero pair adds +0). Whole steps take the plain load: on Zen 4
-// a masked 512-bit load costs several times a plain one (a 4 × 6 tile of vdpbf16ps in L1 ran at
-// 30 % of the instruction's rate with masked loads on every step, 71 % with plain ones).
-template <bool kMasked>
-TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline __m512bh load32(const bf16* p,
-                                                                               index_t k,
-                                                                               index_t n) {
-  if constexpr (kMasked) {
-    return (__m512bh)_mm512_maskz_loadu_epi16(__mmask32((1u << (n - k)) - 1u), p + k);
-  } else {
-    return (__m512bh)_mm512_loadu_si512(p + k);
+// The 32 BF16 elements at p, or the first n of them and zeros (n < 32: a masked load, which on
+// Zen 4 costs several times a plain one, so whole pieces take the plain load).
+TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline __m512i load_pairs16(const bf16* p,
+                                                                                    index_t n) {
+  if (n >= 32) return _mm512_loadu_si512(p);
+  return _mm512_maskz_loadu_epi16(__mmask32((1u << n) - 1u), p);
+}
+
+// v[j][i] = v[i][j] for a 16 × 16 matrix of dwords (v[i]: row i), in registers: 64 shuffles.
+TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline void transpose16(__m512i (&v)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // t[i], t[i+1]: rows i, i+1 interleaved by dword
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // v[i + c]: rows i..i+3 of column c of each 128-bit lane
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 8; ++i) {  // rows 0-7 / 8-15 of columns 4L + c, two lanes of each
+    const int a = (i / 4) * 8 + i % 4, b = a + 4;
+    t[2 * i] = _mm512_shuffle_i32x4(v[a], v[b], 0x88);
+    t[2 * i + 1] = _mm512_shuffle_i32x4(v[a], v[b], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {  // the two halves of every column joined
+    v[i] = _mm512_shuffle_i32x4(t[2 * i], t[8 + 2 * i], 0x88);
+    v[i + 8] = _mm512_shuffle_i32x4(t[2 * i], t[8 + 2 * i], 0xdd);
+    v[i + 4] = _mm512_shuffle_i32x4(t[2 * i + 1], t[9 + 2 * i], 0x88);
+    v[i + 12] = _mm512_shuffle_i32x4(t[2 * i + 1], t[9 + 2 * i], 0xdd);
   }
 }
 
-// One block [k0, k1) of the NR × NT register tile (k1 - k0 <= kBf16DotBlock): FP32 lane partials
-// from +0, handed at the end to flush(r, t, partial) (the caller adds them to its double lanes).
-// With ahead and self (the prefetch schedule of the pass over n), their prefetches are issued once
-// per 32 k. Token t's elements [k, k + 32) are at x + t·ld_x + kXStep·k: rows (kXStep = 1) or a
-// token panel tile (kXStep = 4, ld_x = 32: pack_bf16_panel_tile). Per 32 k, kStreamW: the NT
-// activation vectors are loaded first, then each weight row once, used at once (NR·NT accumulators
-// + NT + 1 registers; the blocked kernel, weights in L1: 3-5 % faster on Zen 5); else the NR
-// weight vectors are held and the activations loaded one at a time (the row kernel, weights from
-// memory: the other order made a T = 8 compressor call 15 % slower). The bits do not depend on
-// it: every accumulator adds its products in ascending k either way.
-template <int NR, int NT, int kXStep = 1, bool kStreamW = false, class Flush>
-TILEDECODE_TARGET_AVX512 inline void tile_block(Flush&& flush, const bf16* w, index_t ld_w,
-                                                const bf16* x, index_t ld_x, index_t k0, index_t k1,
-                                                index_t n = 0, const Prefetch* ahead = nullptr,
-                                                const Prefetch* self = nullptr) {
-  __m512 c[NR][NT];
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) c[r][t] = _mm512_setzero_ps();
-  const auto step = [&]<bool kMasked>(index_t k) TILEDECODE_TARGET_AVX512 {
-    if (ahead != nullptr) {  // once per 32 k, as the avx2 kernel
-      prefetch_at(*ahead, k, n);
-      prefetch_at(*self, k, n);
-    }
-    if constexpr (kStreamW) {
-      __m512bh xv[NT];
-      for (int t = 0; t < NT; ++t) xv[t] = load32<kMasked>(x + t * ld_x + (kXStep - 1) * k, k, k1);
-      for (int r = 0; r < NR; ++r) {
-        const __m512bh v = load32<kMasked>(w + r * ld_w, k, k1);
-        for (int t = 0; t < NT; ++t) c[r][t] = _mm512_dpbf16_ps(c[r][t], v, xv[t]);
-      }
-    } else {
-      __m512bh v[NR];
-      for (int r = 0; r < NR; ++r) v[r] = load32<kMasked>(w + r * ld_w, k, k1);
-      for (int t = 0; t < NT; ++t) {
-        const __m512bh xv = load32<kMasked>(x + t * ld_x + (kXStep - 1) * k, k, k1);
-        for (int r = 0; r < NR; ++r) c[r][t] = _mm512_dpbf16_ps(c[r][t], v[r], xv);
-      }
-    }
+// (lo, hi) of a double sum from +0 (first block) or from memory, plus the FP32 partial c, back to
+// memory: the second level of the order at the top.
+TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline void fold_into(double* s, __m512 c,
+                                                                              bool first) {
+  __m512d lo = first ? _mm512_setzero_pd() : _mm512_load_pd(s);
+  __m512d hi = first ? _mm512_setzero_pd() : _mm512_load_pd(s + 8);
+  add_to_f64(lo, hi, c);
+  _mm512_store_pd(s, lo);
+  _mm512_store_pd(s + 8, hi);
+}
+
+inline constexpr int kRowLanes = 16;        // weight rows per vector
+inline constexpr int kRowChunkTokens = 64;  // tokens whose double sums are held at once
+
+// wt[p][l] = the pair (w[l·ld_w + 2p], w[l·ld_w + 2p + 1]) for l < nr and 2p < kk (kk <= 64,
+// even); lanes l >= nr are +0.
+TILEDECODE_TARGET_AVX512 inline void transpose_block(std::uint32_t (*wt)[kRowLanes], const bf16* w,
+                                                     index_t ld_w, int nr, index_t kk) {
+  for (index_t h = 0; h < kk; h += 32) {
+    const index_t n = std::min<index_t>(32, kk - h);
+    __m512i v[16];
+    for (int i = 0; i < 16; ++i)
+      v[i] = i < nr ? load_pairs16(w + i * ld_w + h, n) : _mm512_setzero_si512();
+    transpose16(v);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j)
+      if (2 * j < n) _mm512_store_si512(wt[h / 2 + j], v[j]);
+  }
+}
+
+// c + the products of w's pairs (a vector) and the pair at p (in every lane): vdpbf16ps with the
+// pair as its broadcast memory operand. GCC 12 otherwise loads each broadcast into a register
+// first (one more instruction per vdpbf16ps where every broadcast is used once).
+TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline __m512 dp_bcast(__m512 c, __m512bh w,
+                                                                               const bf16* p) {
+#if defined(__GNUC__) && !defined(__clang__)
+  __asm__("vdpbf16ps %2%{1to16%}, %1, %0"
+          : "+v"(c)
+          : "v"(w), "m"(*reinterpret_cast<const std::int32_t*>(p)));
+  return c;
+#else
+  return _mm512_dpbf16_ps(c, pair_bcast(p), w);
+#endif
+}
+
+// One pass of NT tokens over np pairs of the transposed block: FP32 partials from +0, then added
+// to the double sums s[t][0..16) (first: from +0). x: the pass's first token at the block's first
+// k, in rows (kPanel = false: token t's pair p at x + t·ld_x + 2p) or in its token panel tile
+// (kPanel: at x + 2t + 32p).
+template <int NT, bool kPanel>
+TILEDECODE_TARGET_AVX512 inline void row_pass(double (*s)[kRowLanes],
+                                              const std::uint32_t (*wt)[kRowLanes], const bf16* x,
+                                              index_t ld_x, index_t np, bool first) {
+  __m512 c[NT];
+  for (int t = 0; t < NT; ++t) c[t] = _mm512_setzero_ps();
+  for (index_t p = 0; p < np; ++p) {
+    const __m512bh wv = (__m512bh)_mm512_load_si512(wt[p]);
+    for (int t = 0; t < NT; ++t)
+      c[t] = dp_bcast(c[t], wv, kPanel ? x + 2 * t + 32 * p : x + t * ld_x + 2 * p);
+  }
+  for (int t = 0; t < NT; ++t) fold_into(s[t], c[t], first);
+}
+
+// The lane-per-row pass over n_tok tokens (rows of x, or kPanel: x = the first token's panel tile,
+// n_tok from a tile boundary, ld_x = the tile stride), in the order at the top of the file. Token
+// passes of 16 on the panel (its 16 tokens' pairs are one line), of 8 on rows (their rows, 8 KB
+// apart at d = 4096, share an L1 set: 16 of them thrash it).
+template <bool kAccumulate, bool kPanel>
+TILEDECODE_TARGET_AVX512 inline void row_lanes(float* out, index_t ld_out, const bf16* x,
+                                               index_t ld_x, index_t n_tok, const bf16* w,
+                                               index_t ld_w, index_t n_rows, index_t d) {
+  constexpr int L = kRowLanes, P = kPanel ? 16 : 8, C = kRowChunkTokens;
+  alignas(64) std::uint32_t wt[kDpbf16BlockK / 2][L];
+  alignas(64) double s[C][L];
+  // Token t0's operand at the block's first k (t0 % 16 == 0 on the panel).
+  const auto at = [&](index_t t0, index_t k0) {
+    return kPanel ? x + (t0 / 16) * ld_x + 16 * k0 + 2 * (t0 % 16) : x + t0 * ld_x + k0;
   };
-  // A block of whole steps (every block but a last one with d % 32 != 0) runs without the tail
-  // code, before which GCC would park the accumulators on the stack.
-  index_t k = k0;
-  if ((k1 - k0) % 32 == 0) {
-    for (; k < k1; k += 32) step.template operator()<false>(k);
-  } else {
-    for (; k + 32 <= k1; k += 32) step.template operator()<false>(k);
-    step.template operator()<true>(k);
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) flush(r, t, c[r][t]);
-}
-
-// sums[r][t] = Σ_k w[r*ld_w + k] * x[t*ld_x + k], k < n, in the order at the top.
-template <int NR, int NT>
-TILEDECODE_TARGET_AVX512 inline void tile(double (*sums)[kBf16TileTokens], const bf16* w,
-                                          index_t ld_w, const bf16* x, index_t ld_x, index_t n,
-                                          const Prefetch& ahead, const Prefetch& self) {
-  alignas(64) double lanes[NR][NT][16] = {};
-  for (index_t k = 0; k < n; k += kBf16DotBlock)
-    tile_block<NR, NT>(
-        [&](int r, int t, __m512 c) TILEDECODE_TARGET_AVX512 { add_to_f64(lanes[r][t], c); }, w,
-        ld_w, x, ld_x, k, std::min<index_t>(n, k + kBf16DotBlock), n, &ahead, &self);
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) {
-      double s = 0.0;
-      for (int l = 0; l < 16; ++l) s += lanes[r][t][l];
-      sums[r][t] = s;
+  for (index_t c0 = 0; c0 < n_tok; c0 += C) {
+    const int nc = int(std::min<index_t>(C, n_tok - c0));
+    for (index_t r0 = 0; r0 < n_rows; r0 += L) {
+      const int nr = int(std::min<index_t>(L, n_rows - r0));
+      if (d == 0) std::fill_n(&s[0][0], C * L, 0.0);
+      for (index_t k0 = 0; k0 < d; k0 += kDpbf16BlockK) {
+        const index_t kk = std::min<index_t>(kDpbf16BlockK, d - k0);
+        const bool first = k0 == 0;
+        transpose_block(wt, w + r0 * ld_w + k0, ld_w, nr, kk);
+        int t0 = 0;
+        for (; t0 + P <= nc; t0 += P)
+          row_pass<P, kPanel>(s + t0, wt, at(c0 + t0, k0), ld_x, kk / 2, first);
+        if (nc - t0 > 8) {  // panel passes: 8 of a tile's last 9-15 tokens, then the rest
+          row_pass<8, kPanel>(s + t0, wt, at(c0 + t0, k0), ld_x, kk / 2, first);
+          t0 += 8;
+        }
+        if (t0 < nc)
+          with_static_count<8>(nc - t0, [&]<int NT>() TILEDECODE_TARGET_AVX512 {
+            row_pass<NT, kPanel>(s + t0, wt, at(c0 + t0, k0), ld_x, kk / 2, first);
+          });
+      }
+      for (int t = 0; t < nc; ++t)
+        for (int l = 0; l < nr; ++l) {
+          float& o = out[(c0 + t) * ld_out + r0 + l];
+          o = kAccumulate ? float(double(o) + s[t][l]) : float(s[t][l]);
+        }
     }
+  }
 }
 
 }  // namespace bf16_rows_detail
 
 // out[t*ld_out + r] = float(Σ_{k<d} x[t*ld_x + k] * w[r*ld_w + k]) (with kAccumulate:
-// float(double(out) + Σ)) for t < n_tok, r < n_rows, d even, in the order at the top; rows
-// [n_rows, n_rows_pf) of w may be prefetched (avx2::bf16_rows_dot's contract, BF16 x).
+// float(double(out) + Σ)) for t < n_tok, r < n_rows, d even, in the order at the top (a lane per
+// weight row). n_rows_pf: avx2::bf16_rows_dot's parameter, unused here: the weight rows are read
+// as whole lines, 16 streams the hardware prefetcher follows.
 template <bool kAccumulate>
 TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot(float* out, index_t ld_out, const bf16* x,
                                                    index_t ld_x, index_t n_tok, const bf16* w,
                                                    index_t ld_w, index_t n_rows, index_t d,
-                                                   index_t n_rows_pf) {
-  using namespace bf16_rows_detail;
-  avx2::bf16_rows_detail::bf16_rows_pass<kAccumulate>(
-      out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d, n_rows_pf,
-      [d, ld_w, ld_x](double(*sums)[kBf16TileTokens], int nr, int nt, const bf16* wr,
-                      const bf16* xg, const Prefetch& ahead, const Prefetch& self)
-          TILEDECODE_TARGET_AVX512 {
-            with_static_count<kBf16TileRows>(nr, [&]<int R>() TILEDECODE_TARGET_AVX512 {
-              with_static_count<kBf16TileTokens>(nt, [&]<int N>() TILEDECODE_TARGET_AVX512 {
-                tile<R, N>(sums, wr, ld_w, xg, ld_x, d, ahead, self);
-              });
-            });
-          });
+                                                   index_t /*n_rows_pf*/) {
+  bf16_rows_detail::row_lanes<kAccumulate, false>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d);
 }
 
 // ---------------------------------------------------------------------------------------------
-// bf16_rows_dot_blocked: bf16_rows_dot's contract and bits (every lane adds the same products in
-// the same order, the double lanes are summed alike) for many tokens, blocked for the caches.
-// The activations come as a token panel (pack_bf16_panel below, once per call of the kernel's
-// caller, shared by its tasks): 4-token tiles whose four 32-element pieces of each k step lie
-// side by side, so a register tile's activation loads for a step are one 256-byte run. With the
-// rows in place (8 KB apart at d = 4096) all ten loads of a step fall in one L1 set, and the next
-// tile's rows contend for it: the same tile on the panel ran 25 % faster (Zen 5, 24 rows x 64 and
-// 128 tokens, in L2: 257-270 -> 324-343 GFLOP/s).
-// Loop nest: per chunk of kBlockedChunkTokens tokens (their panel, 64 × 8 KB at d = 4096, stays in
-// L2), per block of kBlockedRows rows, per group of kBlockedFoldBlocks k-blocks, per k-block of
-// kBf16DotBlock (the rows' 6 × 2 KB segment stays in L1 while every token tile of the chunk runs
-// it), register tiles of 6 rows × 4 tokens (24 accumulators; per 32 k: 4 activation loads from
-// L2, 6 weight loads from L1, 24 vdpbf16ps). Each weight row is read from memory once per chunk.
-// A tile's FP32 lane partials of a k-block are stored as they are (part: 64 × 6 × 2 × 64 B =
-// 48 KB of stack, write only), and folded into the double lanes (another 48 KB) once per group:
-// the same additions in the same order as add_to_f64 per k-block, but the double lanes are read
-// and written once per 2 k-blocks instead of once per k-block, and the fold of the last group
-// feeds the final sums directly. Zen 5, 2048 rows × 4096 in 24-row calls, T = 128 / 512, one
-// thread, interleaved: add_to_f64 per k-block 288 / 288 GFLOP/s, this nest 318 / 321 (a fold per
-// k-block: 268 / 275, no gain; groups of 4: the same as 2). The double lanes of 8 tokens × 1 row
-// are summed at the end as one 8-wide vector per lane index (two 8 × 8 transposes): each output's
-// sum is still ((0 + lane 0) + lane 1) + ... + lane 15, without 16 dependent scalar additions per
-// output. The tile's shape is the fastest of those measured on Zen 5 (CSA compressor T = 128 /
-// 512, one thread): 6 × 4 7.7–8.1 / 32.8–37.4 ms, 4 × 6 9.0–10.6 / 36.7–41.9 ms (fewer loads from
-// L2 per vdpbf16ps); 5 × 5 and chunks of 32, 96 or 128 tokens were slower, 8 × 3 spills with the
-// weights held (and with them streamed, as now: 8 × 3 and 12 × 2 ran 10-20 % slower than 6 × 4).
-namespace bf16_rows_blocked_detail {
-
-inline constexpr int kBlockedRows = 6;          // rows per register tile and L1 weight block
-inline constexpr int kBlockedTileTokens = 4;    // tokens per register tile and panel tile
-inline constexpr int kBlockedChunkTokens = 64;  // tokens per chunk of double lanes
-inline constexpr int kBlockedFoldBlocks = 2;    // k-blocks per fold into the double lanes
-
-// s[i] = ((0 + a_i[0]) + a_i[1]) + ... + a_i[15] for the 8 lane rows a_i = lanes[i] (16 doubles
-// each, 64-byte aligned, ld doubles apart), lane for lane as the scalar loop.
-TILEDECODE_TARGET_AVX512 inline __m512d sum_lanes8(const double* lanes, index_t ld) {
-  __m512d s = _mm512_setzero_pd();
-  for (int h = 0; h < 16; h += 8) {
-    __m512d a[8], u[8], v[8];
-    for (int i = 0; i < 8; ++i) a[i] = _mm512_load_pd(lanes + i * ld + h);
-    // u[2j] = (a[2j][l], a[2j+1][l]) for l even, u[2j+1] the same for l odd (per 128-bit lane).
-    for (int j = 0; j < 8; j += 2) {
-      u[j] = _mm512_unpacklo_pd(a[j], a[j + 1]);
-      u[j + 1] = _mm512_unpackhi_pd(a[j], a[j + 1]);
-    }
-    // v[q]: rows 0-3 (q < 4) or 4-7 of lanes {l, l + 4} with l = (q % 4 → 0, 1, 2, 3).
-    const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
-    const __m512i hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
-    for (int b = 0; b < 8; b += 4) {
-      v[b + 0] = _mm512_permutex2var_pd(u[b], lo, u[b + 2]);      // l = 0, 4
-      v[b + 1] = _mm512_permutex2var_pd(u[b + 1], lo, u[b + 3]);  // l = 1, 5
-      v[b + 2] = _mm512_permutex2var_pd(u[b], hi, u[b + 2]);      // l = 2, 6
-      v[b + 3] = _mm512_permutex2var_pd(u[b + 1], hi, u[b + 3]);  // l = 3, 7
-    }
-    const __m512i first = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
-    const __m512i second = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
-    __m512d col[8];  // col[l][i] = a[i][l]
-    for (int l = 0; l < 4; ++l) {
-      col[l] = _mm512_permutex2var_pd(v[l], first, v[4 + l]);
-      col[l + 4] = _mm512_permutex2var_pd(v[l], second, v[4 + l]);
-    }
-    for (int l = 0; l < 8; ++l) s = _mm512_add_pd(s, col[l]);
-  }
-  return s;
+// The token panel of bf16_rows_dot_blocked: tiles of 16 tokens, each d / 2 pairs of 16 dwords
+// (pair p of token t: x[t][2p], x[t][2p + 1]), 16 · d BF16 elements (d even); a token past n_tok
+// is +0 in every pair.
+inline constexpr index_t bf16_panel_tile_tokens() {
+  return 16;
 }
-
-}  // namespace bf16_rows_blocked_detail
-
-// The token panel of n_tok tokens of d elements: tiles of 4 tokens, each 4 · round_up(d, 32)
-// elements.
+inline constexpr index_t bf16_panel_tiles(index_t n_tok) {
+  return (n_tok + 15) / 16;
+}
 inline constexpr index_t bf16_panel_tile_elems(index_t d) {
-  return bf16_rows_blocked_detail::kBlockedTileTokens * ((d + 31) / 32 * 32);
+  return 16 * d;
 }
 inline constexpr index_t bf16_panel_elems(index_t n_tok, index_t d) {
-  return (n_tok + 3) / 4 * bf16_panel_tile_elems(d);
+  return bf16_panel_tiles(n_tok) * bf16_panel_tile_elems(d);
+}
+// The offset of element k0 (even) in a tile: a reduction over x's [k0, k0 + d) reads the panel
+// from here.
+inline constexpr index_t bf16_panel_offset(index_t k0) {
+  return 16 * k0;
 }
 
-// Tile p of the panel (tokens 4p .. 4p + 3; past n_tok nothing is written):
-// xp[p · tile + (k / 32) · 128 + (t % 4) · 32 + k % 32] = x[t · ld_x + k] for k < d, +0 for
-// d <= k < round_up(d, 32). Plain copies (no ISA); callers run the tiles as parallel tasks. The
-// whole 32-element pieces are fixed-size copies the compiler inlines: with a variable-size memcpy
-// call per 64 bytes, 512 tokens × 4096 packed in 436 µs (9.6 GB/s, Zen 5), now 100 µs; in the
-// inner compressor's call at T = 128 that saved 28-53 µs of ~1950.
-inline void pack_bf16_panel_tile(bf16* xp, const bf16* x, index_t ld_x, index_t n_tok, index_t d,
-                                 index_t p) {
+// Tile p of the panel (tokens 16p .. 16p + 15): xp[p · tile + 32 · (k / 2) + 2 · (t % 16) + k % 2]
+// = x[t · ld_x + k] for k < d, t < n_tok, and +0 for the tokens past n_tok. The 16 tokens' 16-pair
+// pieces are transposed in registers (64 shuffles per KB). Callers run the tiles as parallel tasks.
+TILEDECODE_TARGET_AVX512 inline void pack_bf16_panel_tile(bf16* xp, const bf16* x, index_t ld_x,
+                                                          index_t n_tok, index_t d, index_t p) {
+  using bf16_rows_detail::load_pairs16;
   bf16* tile = xp + p * bf16_panel_tile_elems(d);
-  for (index_t t = 4 * p; t < std::min<index_t>(n_tok, 4 * p + 4); ++t) {
-    const bf16* src = x + t * ld_x;
-    bf16* dst = tile + (t % 4) * 32;
-    index_t k = 0;
-    for (; k + 32 <= d; k += 32) std::memcpy(dst + 4 * k, src + k, 32 * sizeof(bf16));
-    if (k < d) {  // the last piece: d - k elements, then +0
-      std::memcpy(dst + 4 * k, src + k, std::size_t(d - k) * sizeof(bf16));
-      for (index_t i = d - k; i < 32; ++i) dst[4 * k + i] = bf16::from_bits(0);
-    }
+  const int nt = int(std::min<index_t>(16, n_tok - 16 * p));
+  const bf16* x0 = x + 16 * p * ld_x;
+  for (index_t h = 0; h < d; h += 32) {
+    const index_t n = std::min<index_t>(32, d - h);
+    __m512i v[16];
+    for (int i = 0; i < 16; ++i)
+      v[i] = i < nt ? load_pairs16(x0 + i * ld_x + h, n) : _mm512_setzero_si512();
+    bf16_rows_detail::transpose16(v);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j)
+      if (2 * j < n) _mm512_storeu_si512(tile + 16 * (h + 2 * j), v[j]);
   }
 }
 
@@ -258,15 +285,71 @@ inline constexpr bool bf16_panel_fits(index_t n_tok, index_t d, index_t capacity
 template <class Be>
 inline void pack_bf16_panel(const Be& be, bf16* xp, const bf16* x, index_t ld_x, index_t n_tok,
                             index_t d) {
-  be.tasks((n_tok + 3) / 4,
+  be.tasks(bf16_panel_tiles(n_tok),
            [&](std::int64_t p) { pack_bf16_panel_tile(xp, x, ld_x, n_tok, d, index_t(p)); });
 }
 
-// bf16_rows_dot<kAccumulate>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d, ·) with x given as
-// its panel (pack_bf16_panel, or pack_bf16_panel_tile for every tile of the n_tok tokens): xp
-// points at element k0 of the first tile (xp = panel + 4 · k0, k0 % 32 == 0, for a reduction over
-// x's [k0, k0 + d)), ld_tile = bf16_panel_tile_elems of the packed width (elements from one tile to
-// the next). Rows [n_rows, n_rows_pf) of w exist and may be prefetched (the caller's next rows).
+namespace bf16_rows_blocked_detail {
+
+inline constexpr int kTileAccumulators = 24;  // per register tile: rows × panel tiles
+inline constexpr int kTileVecs = 4;           // panel tiles (16 tokens) per register tile, at most
+inline constexpr int kPanelRows = 48;         // rows whose double sums are held at once (24 KB)
+inline constexpr int kFoldBlocks = 4;         // k-blocks per fold of the FP32 partials into them
+inline constexpr int kTokenLaneMinTokens = 32;  // smaller (last) token groups run lane per row
+
+// One k-block (np pairs) of the NR-row × NZ-panel-tile register tile: FP32 partials from +0 into
+// part[r][z][0..16). xq: the block's first pair in the first panel tile, ld_tile elements from
+// one panel tile to the next; w: the block's first k in the first row.
+template <int NR, int NZ>
+TILEDECODE_TARGET_AVX512 inline void tile_block(float* part, const bf16* xq, index_t ld_tile,
+                                                const bf16* w, index_t ld_w, index_t np) {
+  using bf16_rows_detail::pair_bcast;
+  __m512 c[NR][NZ];
+  for (int r = 0; r < NR; ++r)
+    for (int z = 0; z < NZ; ++z) c[r][z] = _mm512_setzero_ps();
+  for (index_t p = 0; p < np; ++p) {
+    __m512bh xv[NZ];
+    for (int z = 0; z < NZ; ++z) xv[z] = (__m512bh)_mm512_loadu_si512(xq + z * ld_tile + 32 * p);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh wb = pair_bcast(w + r * ld_w + 2 * p);
+      for (int z = 0; z < NZ; ++z) c[r][z] = _mm512_dpbf16_ps(c[r][z], xv[z], wb);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int z = 0; z < NZ; ++z) _mm512_store_ps(part + (r * NZ + z) * 16, c[r][z]);
+}
+
+// s[r·ld_s + 16z ..] = ((s or +0) + P_0) + P_1 + ... over the ng blocks' partials (block b's at
+// part + b · ld_part, laid out as tile_block's), in block order.
+template <int NR, int NZ>
+TILEDECODE_TARGET_AVX512 inline void fold(double* s, index_t ld_s, const float* part,
+                                          index_t ld_part, int ng, bool first) {
+  for (int r = 0; r < NR; ++r)
+    for (int z = 0; z < NZ; ++z) {
+      double* d = s + r * ld_s + 16 * z;
+      __m512d lo = first ? _mm512_setzero_pd() : _mm512_load_pd(d);
+      __m512d hi = first ? _mm512_setzero_pd() : _mm512_load_pd(d + 8);
+      for (int b = 0; b < ng; ++b)
+        add_to_f64(lo, hi, _mm512_load_ps(part + b * ld_part + (r * NZ + z) * 16));
+      _mm512_store_pd(d, lo);
+      _mm512_store_pd(d + 8, hi);
+    }
+}
+
+}  // namespace bf16_rows_blocked_detail
+
+// bf16_rows_dot<kAccumulate>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d, ·)'s results, bit for
+// bit, with x given as its panel (pack_bf16_panel, or pack_bf16_panel_tile for every tile of the
+// n_tok tokens): xp points at element k0 of the first tile (xp = panel + bf16_panel_offset(k0) for
+// a reduction over x's [k0, k0 + d)), ld_tile = bf16_panel_tile_elems of the packed width. Rows
+// [n_rows, n_rows_pf) of w exist and may be prefetched (the caller's next rows).
+// Loop nest: per group of 64 tokens (4 panel tiles), per panel of 48 rows (their double sums,
+// 48 × 64 × 8 B, stay in L1), per fold group of 4 k-blocks (the panel's 4 × 8 KB slab, read once
+// from L2 and then from L1 by the 8 register tiles), per 6-row register tile: its 4 k-blocks, each
+// from +0 into FP32 partials (stored, 6 KB), then folded into the double sums in block order. A
+// fold per k-block instead of per 4 ran 7-14 % slower (Zen 5, T = 128 / 512). The outputs are
+// written token by token (a row-major scatter over 64 tokens touched a page per store: 25 % of
+// the time at d = 4096, ld_out = 2048).
 template <bool kAccumulate>
 TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_blocked(float* out, index_t ld_out,
                                                            const bf16* xp, index_t ld_tile,
@@ -274,86 +357,64 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_blocked(float* out, index_t l
                                                            index_t ld_w, index_t n_rows, index_t d,
                                                            index_t n_rows_pf) {
   using namespace bf16_rows_blocked_detail;
-  constexpr int R = kBlockedRows, TT = kBlockedTileTokens, C = kBlockedChunkTokens;
-  constexpr int G = kBlockedFoldBlocks;
-  alignas(64) float part[C][R][G][16];  // a fold group's FP32 partials (48 KB)
-  alignas(64) double lanes[C][R][16];   // the double lanes between fold groups (48 KB)
-  const index_t n_blocks = (d + kBf16DotBlock - 1) / kBf16DotBlock;
-  for (index_t c0 = 0; c0 < n_tok; c0 += C) {
-    const int nc = int(std::min<index_t>(C, n_tok - c0));
-    for (index_t r0 = 0; r0 < n_rows; r0 += R) {
-      const int nr = int(std::min<index_t>(R, n_rows - r0));
-      // In the first chunk the rows come from memory: the next block's rows (up to n_rows_pf)
-      // are prefetched into L2 a k-block's segment at a time, spread over the token tiles (6 ×
-      // 2 KB per 16 tiles at 64 tokens), while this block's run.
-      const index_t pf_rows = c0 == 0 ? std::clamp<index_t>(n_rows_pf - (r0 + R), 0, R) : 0;
-      for (index_t g0 = 0; g0 < n_blocks; g0 += G) {
-        const int ng = int(std::min<index_t>(G, n_blocks - g0));
-        for (int b = 0; b < ng; ++b) {
-          const index_t k0 = (g0 + b) * kBf16DotBlock;
-          const index_t k1 = std::min<index_t>(d, k0 + kBf16DotBlock);
-          // The block's pf_rows × (k1 - k0) / 32 lines, row-major by k, a quota per tile.
-          const index_t pf_lines = pf_rows * ((k1 - k0 + 31) / 32), n_tiles = (nc + TT - 1) / TT;
-          const index_t quota = (pf_lines + n_tiles - 1) / n_tiles;
-          index_t pf_done = 0, pf_r = 0, pf_k = k0;
-          for (int t0 = 0; t0 < nc; t0 += TT) {
-            const int nt = std::min(TT, nc - t0);
-            for (const index_t end = std::min(pf_lines, pf_done + quota); pf_done < end;
-                 ++pf_done) {
-              _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + R + pf_r) * ld_w + pf_k),
-                           _MM_HINT_T1);
-              if (++pf_r == pf_rows) {
-                pf_r = 0;
-                pf_k += 32;
+  constexpr int Z = kTileVecs, TG = 16 * Z, RP = kPanelRows, G = kFoldBlocks;
+  constexpr index_t kPart = kTileAccumulators * 16;  // floats per block's partials
+  alignas(64) double s[RP][TG];
+  alignas(64) float part[G * kPart];
+  const index_t n_blocks = (d + kDpbf16BlockK - 1) / kDpbf16BlockK;
+  // A last group of fewer than kTokenLaneMinTokens tokens (all of them when n_tok is below it)
+  // runs lane per row on its panel tiles (the same bits): a 16-token group's register tile has a
+  // single panel vector, so its 12 rows' broadcasts (8 KB apart, one L1 set) carry the tile.
+  const index_t tail = n_tok % TG < kTokenLaneMinTokens ? n_tok % TG : 0, n_main = n_tok - tail;
+  if (tail > 0)
+    bf16_rows_detail::row_lanes<kAccumulate, true>(out + n_main * ld_out, ld_out,
+                                                   xp + (n_main / 16) * ld_tile, ld_tile, tail, w,
+                                                   ld_w, n_rows, d);
+  for (index_t t0 = 0; t0 < n_main; t0 += TG) {
+    const int nt = int(std::min<index_t>(TG, n_main - t0));
+    const int nz = (nt + 15) / 16;
+    const bf16* xg = xp + (t0 / 16) * ld_tile;
+    for (index_t rp = 0; rp < n_rows; rp += RP) {
+      const int nrp = int(std::min<index_t>(RP, n_rows - rp));
+      if (d == 0) std::fill_n(&s[0][0], RP * TG, 0.0);
+      // In the first token group the rows come from memory: the next panel's (up to n_rows_pf)
+      // are prefetched into L2 meanwhile, a quota of lines per register tile's k-block.
+      const index_t n_next = t0 == 0 ? std::clamp<index_t>(n_rows_pf - (rp + RP), 0, RP) : 0;
+      const index_t lines = n_next * ((d + 31) / 32);
+      with_static_count<Z>(nz, [&]<int NZ>() TILEDECODE_TARGET_AVX512 {
+        constexpr int RT = NZ == 1 ? 12 : kTileAccumulators / NZ;  // rows per register tile
+        const index_t calls = n_blocks * ((nrp + RT - 1) / RT);
+        const index_t quota = calls > 0 ? (lines + calls - 1) / calls : 0;
+        index_t done = 0, pf_r = 0, pf_k = 0;
+        for (index_t b0 = 0; b0 < n_blocks; b0 += G) {
+          const int ng = int(std::min<index_t>(G, n_blocks - b0));
+          for (int r0 = 0; r0 < nrp; r0 += RT) {
+            const bf16* wr = w + (rp + r0) * ld_w;
+            with_static_count<RT>(std::min(RT, nrp - r0), [&]<int NR>() TILEDECODE_TARGET_AVX512 {
+              for (int b = 0; b < ng; ++b) {
+                for (const index_t end = std::min(lines, done + quota); done < end; ++done) {
+                  _mm_prefetch(reinterpret_cast<const char*>(w + (rp + RP + pf_r) * ld_w + pf_k),
+                               _MM_HINT_T1);
+                  if (++pf_r == n_next) {
+                    pf_r = 0;
+                    pf_k += 32;
+                  }
+                }
+                const index_t k0 = (b0 + b) * kDpbf16BlockK;
+                const index_t np = (std::min(d, k0 + kDpbf16BlockK) - k0) / 2;
+                tile_block<NR, NZ>(part + b * kPart, xg + bf16_panel_offset(k0), ld_tile, wr + k0,
+                                   ld_w, np);
               }
-            }
-            const bf16* tile = xp + ((c0 + t0) / TT) * ld_tile;
-            with_static_count<R>(nr, [&]<int NR>() TILEDECODE_TARGET_AVX512 {
-              with_static_count<TT>(nt, [&]<int NT>() TILEDECODE_TARGET_AVX512 {
-                bf16_rows_detail::tile_block<NR, NT, TT, true>(
-                    [&](int r, int t, __m512 c)
-                        TILEDECODE_TARGET_AVX512 { _mm512_store_ps(part[t0 + t][r][b], c); },
-                    w + r0 * ld_w, ld_w, tile, 32, k0, k1);
-              });
+              fold<NR, NZ>(&s[r0][0], TG, part, kPart, ng, b0 == 0);
             });
           }
         }
-        // The double lanes of (t, r) after this group: ((lanes + p_0) + p_1) + ..., from +0 in
-        // the first group, i.e. add_to_f64 of every block's partial in block order.
-        const bool first = g0 == 0, last = g0 + ng == n_blocks;
-        const auto fold = [&](int t, int r, double* dst) TILEDECODE_TARGET_AVX512 {
-          __m512d lo = first ? _mm512_setzero_pd() : _mm512_load_pd(lanes[t][r]);
-          __m512d hi = first ? _mm512_setzero_pd() : _mm512_load_pd(lanes[t][r] + 8);
-          for (int b = 0; b < ng; ++b) add_to_f64(lo, hi, _mm512_load_ps(part[t][r][b]));
-          _mm512_store_pd(dst, lo);
-          _mm512_store_pd(dst + 8, hi);
-        };
-        if (!last) {
-          for (int t = 0; t < nc; ++t)
-            for (int r = 0; r < nr; ++r) fold(t, r, lanes[t][r]);
-          continue;
+      });
+      for (int t = 0; t < nt; ++t)
+        for (int r = 0; r < nrp; ++r) {
+          float& o = out[(t0 + t) * ld_out + rp + r];
+          o = kAccumulate ? float(double(o) + s[r][t]) : float(s[r][t]);
         }
-        const auto emit = [&](int t, int r, double s) {
-          float& o = out[(c0 + t) * ld_out + r0 + r];
-          o = kAccumulate ? float(double(o) + s) : float(s);
-        };
-        int t = 0;
-        for (; t + 8 <= nc; t += 8)
-          for (int r = 0; r < nr; ++r) {
-            alignas(64) double l8[8][16], s[8];
-            for (int i = 0; i < 8; ++i) fold(t + i, r, l8[i]);
-            _mm512_store_pd(s, sum_lanes8(l8[0], 16));
-            for (int i = 0; i < 8; ++i) emit(t + i, r, s[i]);
-          }
-        for (; t < nc; ++t)
-          for (int r = 0; r < nr; ++r) {
-            alignas(64) double l1[16];
-            fold(t, r, l1);
-            double s = 0.0;
-            for (int l = 0; l < 16; ++l) s += l1[l];
-            emit(t, r, s);
-          }
-      }
     }
   }
 }

@@ -133,8 +133,12 @@ struct backend_ops_compressor {
         for (index_t k = 0; k < D; ++k) dst[k] = src[k].to_float();
       });
     }
-    // Tasks of RB rows of wkv, then of wgate: the split depends on the shape only.
-    constexpr index_t RB = kCompressorRowBlock;
+    // Tasks of RB rows of wkv, then of wgate: the split depends on the shape (and the path) only.
+#if TILEDECODE_X86
+    const index_t RB = bf16_rows ? avx512::kDpbf16TaskRows : index_t(kCompressorRowBlock);
+#else
+    const index_t RB = kCompressorRowBlock;
+#endif
     const index_t per = (OUT + RB - 1) / RB;
     be.tasks(2 * per, [&](std::int64_t i) {
       const bool gate = i >= per;

@@ -17,13 +17,14 @@
 // (wo_b, INT8) against 2·T operations per weight element; see docs/sparse_attention.md.
 // From 16 tokens the avx512 tier blocks both stages for the caches with the same bits (batch
 // invariance: tests/test_oproj.cpp LargeBatchBitIdenticalToSmallBatches): wo_a on
-// avx512::bf16_rows_dot_blocked (6 weight rows in L1 × 4-token tiles over chunks of 64 tokens,
-// the BF16 copy of o_packed packed as each group's token panel, tasks of kRowsPerBlockedTask
-// rows), wo_b on project_b_blocked (4 channels of one group in L1 × 6-token tiles, the groups in
-// order). B = 64, S = 2 (T = 128), one thread, Zen 4 (bench_sparse_attn): 154-178 -> 84 ms (37 ->
-// 68 % of the machine's BF16 and INT8 ceilings); B = 4 unchanged (10-12 ms, memory bound). Zen 5,
-// interleaved: the token panel and the 96-row tasks took B = 64 from 48.3-49.9 to 46.1-46.4 ms
-// (S = 2) and from 192-194 to 178-179 ms (S = 8), 55-58 -> 59-62 % of those ceilings.
+// avx512::bf16_rows_dot_blocked (a lane per token: register tiles of 6 weight rows × 64 tokens,
+// the BF16 copy of o_packed packed as each group's token panel of 16-token tiles, tasks of
+// kRowsPerBlockedTask rows), wo_b on project_b_blocked (4 channels of one group in L1 × 6-token
+// tiles, the groups in order). B = 64, S = 2 (T = 128), one thread, Zen 4 (bench_sparse_attn):
+// 154-178 -> 84 ms (37 -> 68 % of the machine's BF16 and INT8 ceilings); B = 4 unchanged (10-12
+// ms, memory bound). Zen 5, peer_compare (cold caches), interleaved with the previous wo_a kernel
+// (dot-product tiles of 6 rows × 4 tokens): B = 64, S = 2 62.2 -> 46.5 ms (45.8 -> 63.4 % of
+// those ceilings), S = 8 225 -> 186 ms (50.7 -> 63.3 %); B = 4, S = 2 9.3 ms both.
 
 #include <algorithm>
 #include <cstddef>
@@ -45,10 +46,9 @@ namespace tiledecode::cpu {
 namespace output_projection_detail {
 
 inline constexpr int kRowsPerTask = 32;  // wo_a rows per task
-// wo_a rows per task of the blocked avx512 kernel: a multiple of its 6-row blocks, so that only a
-// group's last task has a partial block (32-row tasks end in a 2-row block each: 4 of every 32
-// rows ran in 2 × 4 tiles, at 8 vdpbf16ps per 6 loads). A shape-only split: each output's sum is
-// the same for any.
+// wo_a rows per task of the blocked avx512 kernel: a multiple of its 6-row tiles and 48-row panels
+// (and of the lane-per-row pass's 16), so that only a group's last task has a partial tile. A
+// shape-only split: each output's sum is the same for any.
 inline constexpr int kRowsPerBlockedTask = 96;
 inline constexpr int kKChunk = 4096;  // wo_a reduction chunk (whole rows: few, long weight streams)
 inline constexpr int kTokTile = 8;    // tokens per a_chunk call (register tiles of 4)
@@ -122,6 +122,8 @@ struct Avx512Ops : Avx2Ops {
   static bool panel(index_t T, index_t K) { return avx512::bf16_panel_fits(T, K, 2 * T * K); }
   static index_t panel_elems(index_t T, index_t K) { return avx512::bf16_panel_elems(T, K); }
   static index_t panel_tile_elems(index_t K) { return avx512::bf16_panel_tile_elems(K); }
+  static index_t panel_tiles(index_t T) { return avx512::bf16_panel_tiles(T); }
+  static index_t panel_offset(index_t k0) { return avx512::bf16_panel_offset(k0); }
   static void pack_panel_tile(bf16* xp, const bf16* x, index_t ld_x, index_t T, index_t K,
                               index_t p) {
     avx512::pack_bf16_panel_tile(xp, x, ld_x, T, K, p);
@@ -210,7 +212,7 @@ struct backend_ops_output_projection {
       panel = Ops::panel(T, K);
       if (panel) {
         panel_elems = Ops::panel_elems(T, K);
-        const index_t tiles = (T + 3) / 4;
+        const index_t tiles = Ops::panel_tiles(T);
         s.be.tasks((g1 - g0) * tiles, [&](std::int64_t i) {
           const index_t g = g0 + i / tiles;
           Ops::pack_panel_tile(ob + g * panel_elems, &x.o_packed(g * T, 0), x.o_packed.stride(0), T,
@@ -245,9 +247,9 @@ struct backend_ops_output_projection {
           // The rows after this task's, up to the end of the group, may be prefetched.
           if constexpr (Ops::kBf16Activations) {
             if (panel) {  // t0 = 0: every token at once
-              Ops::a_chunk_bf16(s.orr + g * R + r0, G * R, ob + g * panel_elems + 4 * k0,
-                                Ops::panel_tile_elems(K), nt, w + k0, x.wo_a.stride(1), nr, kc,
-                                int(R - r0));
+              Ops::a_chunk_bf16(
+                  s.orr + g * R + r0, G * R, ob + g * panel_elems + Ops::panel_offset(k0),
+                  Ops::panel_tile_elems(K), nt, w + k0, x.wo_a.stride(1), nr, kc, int(R - r0));
             } else {
               Ops::a_chunk_bf16(s.orr + (t0 * G + g) * R + r0, G * R, ob + (g * T + t0) * K + k0, K,
                                 nt, w + k0, x.wo_a.stride(1), nr, kc, int(R - r0));
