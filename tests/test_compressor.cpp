@@ -590,11 +590,15 @@ TEST(CompressorTiers, Avx512Bf16DotMatchesGolden) {
 
 // vdpbf16ps rows: bf16_rows_dot_blocked (from kBf16BlockedMinTokens tokens, on the token panel)
 // against bf16_rows_dot, every output bit, for token counts around the 16-token panel tiles and
-// the 64-token groups, row counts around the 16-row lanes, the 6-row tiles and the 48-row panels,
-// reductions with a partial last 64-k block (4650, 1050, 34: 17 pairs, a partial 16-pair piece),
-// one pair (2), with fold groups of 4 blocks and a partial last one (4650: 73 blocks), both = and
-// +=; and bf16_rows_dot on each token alone against all of them at once (its 8-token passes and
-// 64-token chunks): a request's projection does not depend on its batch.
+// the 64-token groups (16-31 and the last 7 or 2 tokens of 71 / 130 lane per row on the panel;
+// groups of 4, 3 (100: 64 + 36) and 2 (40) panel vectors), row counts around the 16-row lanes,
+// the 6 / 8 / 12-row tiles and the 48-row panels, with rows to prefetch past them, reductions
+// with a partial last 64-k block (4650, 1050, 34: 17 pairs, a partial 16-pair piece), one pair
+// (2), with fold groups of 4 blocks and a partial last one (4650: 73 blocks), both = and +=; and
+// bf16_rows_dot on each token alone against all of them at once (its 8-token passes and 64-token
+// chunks): a request's projection does not depend on its batch. At d = 1050 a NaN of each side
+// meets at the same k (x and w with different payloads and signs): vdpbf16ps returns its first
+// source's, so both arrangements must pass w's pairs first.
 TEST(CompressorTiers, Avx512Bf16RowsBlockedBitIdentical) {
   if (!td::cpu::cpu_supports(td::cpu::Isa::avx512))
     GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
@@ -602,10 +606,15 @@ TEST(CompressorTiers, Avx512Bf16RowsBlockedBitIdentical) {
   tdtest::Rng rng(92);
   for (index_t d : {4096, 4650, 1050, 34, 2})
     for (index_t rows : {49, 17, 13, 6, 1})
-      for (index_t T : {16, 17, 31, 64, 71, 130}) {
-        std::vector<bf16> x(std::size_t(T * d)), w(std::size_t(rows * d));
+      for (index_t T : {16, 17, 31, 40, 64, 71, 100, 130}) {
+        const index_t rows_pf = rows + 7;  // w's rows past `rows`, which the kernels may prefetch
+        std::vector<bf16> x(std::size_t(T * d)), w(std::size_t(rows_pf * d));
         for (auto& v : x) v = bf16(rng.normal());
         for (auto& v : w) v = bf16(rng.normal() * 0.125f);
+        if (d == 1050) {
+          x[std::size_t((T - 1) * d + 5)] = bf16::from_bits(0x7fc1);
+          w[std::size_t((rows - 1) * d + 5)] = bf16::from_bits(0xffc3);
+        }
         const index_t ld = rows + 3;
         std::vector<float> a(std::size_t(T * ld));
         for (auto& v : a) v = rng.normal();
@@ -616,12 +625,12 @@ TEST(CompressorTiers, Avx512Bf16RowsBlockedBitIdentical) {
         for (index_t p = 0; p < a5::bf16_panel_tiles(T); ++p)
           a5::pack_bf16_panel_tile(xp.data(), x.data(), d, T, d, p);
         const index_t ld_tile = a5::bf16_panel_tile_elems(d);
-        a5::bf16_rows_dot<false>(a.data(), ld, x.data(), d, T, w.data(), d, rows, d, rows);
+        a5::bf16_rows_dot<false>(a.data(), ld, x.data(), d, T, w.data(), d, rows, d, rows_pf);
         a5::bf16_rows_dot_blocked<false>(b.data(), ld, xp.data(), ld_tile, T, w.data(), d, rows, d,
-                                         rows);
-        a5::bf16_rows_dot<true>(c.data(), ld, x.data(), d, T, w.data(), d, rows, d, rows);
+                                         rows_pf);
+        a5::bf16_rows_dot<true>(c.data(), ld, x.data(), d, T, w.data(), d, rows, d, rows_pf);
         a5::bf16_rows_dot_blocked<true>(e.data(), ld, xp.data(), ld_tile, T, w.data(), d, rows, d,
-                                        rows);
+                                        rows_pf);
         for (index_t t = 0; t < T; ++t)
           a5::bf16_rows_dot<false>(one.data() + t * ld, ld, x.data() + t * d, d, 1, w.data(), d,
                                    rows, d, rows);

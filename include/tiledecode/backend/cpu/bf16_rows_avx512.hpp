@@ -136,18 +136,24 @@ TILEDECODE_TARGET_AVX512 inline void transpose_block(std::uint32_t (*wt)[kRowLan
   }
 }
 
+// A 4-byte BF16 pair as the asm's memory operand (any alignment of 2, aliasing bf16 storage).
+typedef std::int32_t __attribute__((may_alias, aligned(2))) bf16_pair_bits;
+
 // c + the products of w's pairs (a vector) and the pair at p (in every lane): vdpbf16ps with the
-// pair as its broadcast memory operand. GCC 12 otherwise loads each broadcast into a register
-// first (one more instruction per vdpbf16ps where every broadcast is used once).
+// pair as its broadcast memory operand (GCC 12 otherwise loads each broadcast into a register
+// first: one more instruction per vdpbf16ps where every broadcast is used once). Every vdpbf16ps
+// here takes w's pairs as its first source and x's as its second, on both arrangements: the
+// products are exact and commute, but with a NaN on both sides the instruction returns the
+// first source's (its payload and sign), so one operand order keeps the bits one for NaN too.
 TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline __m512 dp_bcast(__m512 c, __m512bh w,
                                                                                const bf16* p) {
 #if defined(__GNUC__) && !defined(__clang__)
   __asm__("vdpbf16ps %2%{1to16%}, %1, %0"
           : "+v"(c)
-          : "v"(w), "m"(*reinterpret_cast<const std::int32_t*>(p)));
+          : "v"(w), "m"(*reinterpret_cast<const bf16_pair_bits*>(p)));
   return c;
 #else
-  return _mm512_dpbf16_ps(c, pair_bcast(p), w);
+  return _mm512_dpbf16_ps(c, w, pair_bcast(p));
 #endif
 }
 
@@ -312,7 +318,7 @@ TILEDECODE_TARGET_AVX512 inline void tile_block(float* part, const bf16* xq, ind
     for (int z = 0; z < NZ; ++z) xv[z] = (__m512bh)_mm512_loadu_si512(xq + z * ld_tile + 32 * p);
     for (int r = 0; r < NR; ++r) {
       const __m512bh wb = pair_bcast(w + r * ld_w + 2 * p);
-      for (int z = 0; z < NZ; ++z) c[r][z] = _mm512_dpbf16_ps(c[r][z], xv[z], wb);
+      for (int z = 0; z < NZ; ++z) c[r][z] = _mm512_dpbf16_ps(c[r][z], wb, xv[z]);  // w, x
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -345,7 +351,8 @@ TILEDECODE_TARGET_AVX512 inline void fold(double* s, index_t ld_s, const float* 
 // [n_rows, n_rows_pf) of w exist and may be prefetched (the caller's next rows).
 // Loop nest: per group of 64 tokens (4 panel tiles), per panel of 48 rows (their double sums,
 // 48 × 64 × 8 B, stay in L1), per fold group of 4 k-blocks (the panel's 4 × 8 KB slab, read once
-// from L2 and then from L1 by the 8 register tiles), per 6-row register tile: its 4 k-blocks, each
+// from L2 and then from L1 by the register tiles), per register tile (6, 8 or 12 rows for 4, 3 or
+// 2 panel vectors: 24 accumulators): its 4 k-blocks, each
 // from +0 into FP32 partials (stored, 6 KB), then folded into the double sums in block order. A
 // fold per k-block instead of per 4 ran 7-14 % slower (Zen 5, T = 128 / 512). The outputs are
 // written token by token (a row-major scatter over 64 tokens touched a page per store: 25 % of
@@ -363,13 +370,10 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_blocked(float* out, index_t l
   alignas(64) float part[G * kPart];
   const index_t n_blocks = (d + kDpbf16BlockK - 1) / kDpbf16BlockK;
   // A last group of fewer than kTokenLaneMinTokens tokens (all of them when n_tok is below it)
-  // runs lane per row on its panel tiles (the same bits): a 16-token group's register tile has a
-  // single panel vector, so its 12 rows' broadcasts (8 KB apart, one L1 set) carry the tile.
+  // runs lane per row on its panel tiles after the others (the same bits): a register tile of one
+  // 16-token vector would need 12-24 rows for its accumulators, whose broadcasts (rows 8 KB apart
+  // share one L1 set) then carry the tile. So every group here has at least 2 panel vectors.
   const index_t tail = n_tok % TG < kTokenLaneMinTokens ? n_tok % TG : 0, n_main = n_tok - tail;
-  if (tail > 0)
-    bf16_rows_detail::row_lanes<kAccumulate, true>(out + n_main * ld_out, ld_out,
-                                                   xp + (n_main / 16) * ld_tile, ld_tile, tail, w,
-                                                   ld_w, n_rows, d);
   for (index_t t0 = 0; t0 < n_main; t0 += TG) {
     const int nt = int(std::min<index_t>(TG, n_main - t0));
     const int nz = (nt + 15) / 16;
@@ -382,7 +386,7 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_blocked(float* out, index_t l
       const index_t n_next = t0 == 0 ? std::clamp<index_t>(n_rows_pf - (rp + RP), 0, RP) : 0;
       const index_t lines = n_next * ((d + 31) / 32);
       with_static_count<Z>(nz, [&]<int NZ>() TILEDECODE_TARGET_AVX512 {
-        constexpr int RT = NZ == 1 ? 12 : kTileAccumulators / NZ;  // rows per register tile
+        constexpr int RT = kTileAccumulators / NZ;  // rows per register tile (NZ >= 2)
         const index_t calls = n_blocks * ((nrp + RT - 1) / RT);
         const index_t quota = calls > 0 ? (lines + calls - 1) / calls : 0;
         index_t done = 0, pf_r = 0, pf_k = 0;
@@ -417,7 +421,12 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_blocked(float* out, index_t l
         }
     }
   }
+  if (tail > 0)
+    bf16_rows_detail::row_lanes<kAccumulate, true>(out + n_main * ld_out, ld_out,
+                                                   xp + (n_main / 16) * ld_tile, ld_tile, tail, w,
+                                                   ld_w, n_rows, d);
 }
+
 // ---------------------------------------------------------------------------------------------
 // bf16_rows_dot_fma: avx2::bf16_rows_dot's contract (FP32 x) and its bits, on 512-bit FMA, for
 // many tokens. A register holds two rows' 8-lane partials for one token (lanes 0-7: row 2p,

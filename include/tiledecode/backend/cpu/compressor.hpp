@@ -206,27 +206,36 @@ struct backend_ops_compressor {
   // (rules::compressor_candidates), state rows read through the table by absolute position; in
   // double, kept as the FP32 pair ws.pooled (hi) + ws.z (lo; z is free until the emit).
   static void pool(Lane& z, const kernels::CompressorArgs& a, index_t b, index_t c) {
-    const ModelConfig& cfg = *a.cfg;
-    const index_t HD = a.spec.head_dim, OUT = a.spec.out_dim();
-    const index_t page = kernels::compressor_state_page(cfg, a.spec);
-    rules::PoolCandidate cand[2 * 128];
-    const int n = rules::compressor_candidates(a.spec.ratio, a.spec.overlap, c, cand);
+    const index_t HD = a.spec.head_dim;
     const float* kv[2 * 128];
     const float* sc[2 * 128];
-    for (int j = 0; j < n; ++j) {
-      const std::int64_t row = rules::slot_of(a.meta.state_table, b, cand[j].pos, page);
-      const float* r = row < 0 ? z.ws.null_row : a.state_pool.data() + row * a.state_pool.stride(0);
-      const index_t off = cand[j].half ? HD : 0;
-      kv[j] = r + off;
-      sc[j] = r + OUT + off;
+    const int n = window_rows(z, a, b, c, kv, sc);
+#if TILEDECODE_X86
+    // The window the program pools next (the step's next committed boundary), whose rows the
+    // avx512 pooling prefetches into L2 while this one runs: the rows come from memory otherwise
+    // (an HCA window is 128 rows of 4 KB, one page each, which the hardware prefetchers do not
+    // follow).
+    [[maybe_unused]] const float* nkv[2 * 128];
+    [[maybe_unused]] const float* nsc[2 * 128];
+    [[maybe_unused]] avx512::PoolAhead ahead;
+    if constexpr (I == Isa::avx512) {
+      const index_t S = a.meta.shape.seq, T = a.tokens();
+      for (index_t t = b * S; t < T; ++t) {
+        if (a.meta.cmp_slot_mapping(t) < 0) continue;
+        const index_t bt = t / S, ct = a.meta.positions(t) / a.spec.ratio;
+        if (bt == b && ct <= c) continue;
+        ahead = {nkv, nsc, window_rows(z, a, bt, ct, nkv, nsc)};
+        break;
+      }
     }
+#endif
     // Channel blocks only where the window is long enough to be worth a task (shape-only rule).
     const index_t grain = n >= 64 ? 128 : HD;
     z.be->tasks((HD + grain - 1) / grain, [&](std::int64_t i) {
       const index_t c0 = i * grain, c1 = std::min(HD, c0 + grain);
 #if TILEDECODE_X86
       if constexpr (I == Isa::avx512) {
-        avx512::compressor_pool_channels(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1);
+        avx512::compressor_pool_channels(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1, ahead);
         return;
       } else if constexpr (avx2) {
         avx2::compressor_pool_channels(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1);
@@ -235,6 +244,24 @@ struct backend_ops_compressor {
 #endif
       kernels::detail::pool_channels_scalar(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1);
     });
+  }
+  // The kv and score rows of window c of request b (rules::compressor_candidates, state rows read
+  // through the table by absolute position; an unmapped one reads the null row); returns their
+  // number.
+  static int window_rows(const Lane& z, const kernels::CompressorArgs& a, index_t b, index_t c,
+                         const float** kv, const float** sc) {
+    const index_t HD = a.spec.head_dim, OUT = a.spec.out_dim();
+    const index_t page = kernels::compressor_state_page(*a.cfg, a.spec);
+    rules::PoolCandidate cand[2 * 128];
+    const int n = rules::compressor_candidates(a.spec.ratio, a.spec.overlap, c, cand);
+    for (int j = 0; j < n; ++j) {
+      const std::int64_t row = rules::slot_of(a.meta.state_table, b, cand[j].pos, page);
+      const float* r = row < 0 ? z.ws.null_row : a.state_pool.data() + row * a.state_pool.stride(0);
+      const index_t off = cand[j].half ? HD : 0;
+      kv[j] = r + off;
+      sc[j] = r + OUT + off;
+    }
+    return n;
   }
   // y = rmsnorm(pooled, norm_w) with forward RoPE on the last 64 dims at rope_pos, in double from
   // the double pooled value (hi + lo) and rounded once to FP32: y is rounded to BF16 next (cmp_kv

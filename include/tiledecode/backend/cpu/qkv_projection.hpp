@@ -271,7 +271,8 @@ struct backend_ops_qkv_projection {
 
   // Whether project_a runs on vdpbf16ps: avx512, Bf16Dot::dpbf16 and the transposed copy.
   static bool dpbf16_rows(const Cpu<I>& be, const kernels::QkvArgs& a) {
-    return I == Isa::avx512 && be.bf16_dot == Bf16Dot::dpbf16 && a.w.bf16_rows != nullptr;
+    return I == Isa::avx512 && be.bf16_dot == Bf16Dot::dpbf16 && a.w.bf16_rows != nullptr &&
+           a.cfg->hidden % 2 == 0;  // the kernels' pairs
   }
 
   // x_n → FP32 (exact) once, then cq_raw = x @ wq_a and kvf_raw = x @ wkv in 256-column tiles
