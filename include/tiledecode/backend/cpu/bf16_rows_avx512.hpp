@@ -186,7 +186,8 @@ TILEDECODE_TARGET_AVX512 inline void row_lanes(float* out, index_t ld_out, const
   constexpr int L = kRowLanes, P = kPanel ? 16 : 8, C = kRowChunkTokens;
   alignas(64) std::uint32_t wt[kDpbf16BlockK / 2][L];
   alignas(64) double s[C][L];
-  // Token t0's operand at the block's first k (t0 % 16 == 0 on the panel).
+  // Token t0's operand at the block's first k (on the panel a pass starts at a tile's first token
+  // or 8 tokens into it).
   const auto at = [&](index_t t0, index_t k0) {
     return kPanel ? x + (t0 / 16) * ld_x + 16 * k0 + 2 * (t0 % 16) : x + t0 * ld_x + k0;
   };
