@@ -106,17 +106,6 @@ TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline void transpose16(
   }
 }
 
-// (lo, hi) of a double sum from +0 (first block) or from memory, plus the FP32 partial c, back to
-// memory: the second level of the order at the top.
-TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline void fold_into(double* s, __m512 c,
-                                                                              bool first) {
-  __m512d lo = first ? _mm512_setzero_pd() : _mm512_load_pd(s);
-  __m512d hi = first ? _mm512_setzero_pd() : _mm512_load_pd(s + 8);
-  add_to_f64(lo, hi, c);
-  _mm512_store_pd(s, lo);
-  _mm512_store_pd(s + 8, hi);
-}
-
 inline constexpr int kRowLanes = 16;        // weight rows per vector
 inline constexpr int kRowChunkTokens = 64;  // tokens whose double sums are held at once
 
@@ -158,13 +147,13 @@ TILEDECODE_TARGET_AVX512 __attribute__((always_inline)) inline __m512 dp_bcast(_
 }
 
 // One pass of NT tokens over np pairs of the transposed block: FP32 partials from +0, then added
-// to the double sums s[t][0..16) (first: from +0). x: the pass's first token at the block's first
-// k, in rows (kPanel = false: token t's pair p at x + t·ld_x + 2p) or in its token panel tile
-// (kPanel: at x + 2t + 32p).
+// to the double sums s[t][0..16) (add_to_f64: the second level of the order at the top). x: the
+// pass's first token at the block's first k, in rows (kPanel = false: token t's pair p at x +
+// t·ld_x + 2p) or in its token panel tile (kPanel: at x + 2t + 32p).
 template <int NT, bool kPanel>
 TILEDECODE_TARGET_AVX512 inline void row_pass(double (*s)[kRowLanes],
                                               const std::uint32_t (*wt)[kRowLanes], const bf16* x,
-                                              index_t ld_x, index_t np, bool first) {
+                                              index_t ld_x, index_t np) {
   __m512 c[NT];
   for (int t = 0; t < NT; ++t) c[t] = _mm512_setzero_ps();
   for (index_t p = 0; p < np; ++p) {
@@ -172,7 +161,7 @@ TILEDECODE_TARGET_AVX512 inline void row_pass(double (*s)[kRowLanes],
     for (int t = 0; t < NT; ++t)
       c[t] = dp_bcast(c[t], wv, kPanel ? x + 2 * t + 32 * p : x + t * ld_x + 2 * p);
   }
-  for (int t = 0; t < NT; ++t) fold_into(s[t], c[t], first);
+  for (int t = 0; t < NT; ++t) add_to_f64(s[t], c[t]);
 }
 
 // The lane-per-row pass over n_tok tokens (rows of x, or kPanel: x = the first token's panel tile,
@@ -195,21 +184,20 @@ TILEDECODE_TARGET_AVX512 inline void row_lanes(float* out, index_t ld_out, const
     const int nc = int(std::min<index_t>(C, n_tok - c0));
     for (index_t r0 = 0; r0 < n_rows; r0 += L) {
       const int nr = int(std::min<index_t>(L, n_rows - r0));
-      if (d == 0) std::fill_n(&s[0][0], C * L, 0.0);
+      std::fill_n(&s[0][0], nc * L, 0.0);  // the double sums start at +0
       for (index_t k0 = 0; k0 < d; k0 += kDpbf16BlockK) {
         const index_t kk = std::min<index_t>(kDpbf16BlockK, d - k0);
-        const bool first = k0 == 0;
         transpose_block(wt, w + r0 * ld_w + k0, ld_w, nr, kk);
         int t0 = 0;
         for (; t0 + P <= nc; t0 += P)
-          row_pass<P, kPanel>(s + t0, wt, at(c0 + t0, k0), ld_x, kk / 2, first);
+          row_pass<P, kPanel>(s + t0, wt, at(c0 + t0, k0), ld_x, kk / 2);
         if (nc - t0 > 8) {  // panel passes: 8 of a tile's last 9-15 tokens, then the rest
-          row_pass<8, kPanel>(s + t0, wt, at(c0 + t0, k0), ld_x, kk / 2, first);
+          row_pass<8, kPanel>(s + t0, wt, at(c0 + t0, k0), ld_x, kk / 2);
           t0 += 8;
         }
         if (t0 < nc)
           with_static_count<8>(nc - t0, [&]<int NT>() TILEDECODE_TARGET_AVX512 {
-            row_pass<NT, kPanel>(s + t0, wt, at(c0 + t0, k0), ld_x, kk / 2, first);
+            row_pass<NT, kPanel>(s + t0, wt, at(c0 + t0, k0), ld_x, kk / 2);
           });
       }
       for (int t = 0; t < nc; ++t)
@@ -239,9 +227,6 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot(float* out, index_t ld_out, c
 // The token panel of bf16_rows_dot_blocked: tiles of 16 tokens, each d / 2 pairs of 16 dwords
 // (pair p of token t: x[t][2p], x[t][2p + 1]), 16 · d BF16 elements (d even); a token past n_tok
 // is +0 in every pair.
-inline constexpr index_t bf16_panel_tile_tokens() {
-  return 16;
-}
 inline constexpr index_t bf16_panel_tiles(index_t n_tok) {
   return (n_tok + 15) / 16;
 }
@@ -326,16 +311,15 @@ TILEDECODE_TARGET_AVX512 inline void tile_block(float* part, const bf16* xq, ind
     for (int z = 0; z < NZ; ++z) _mm512_store_ps(part + (r * NZ + z) * 16, c[r][z]);
 }
 
-// s[r·ld_s + 16z ..] = ((s or +0) + P_0) + P_1 + ... over the ng blocks' partials (block b's at
+// s[r·ld_s + 16z ..] = ((s + P_0) + P_1) + ... over the ng blocks' partials (block b's at
 // part + b · ld_part, laid out as tile_block's), in block order.
 template <int NR, int NZ>
 TILEDECODE_TARGET_AVX512 inline void fold(double* s, index_t ld_s, const float* part,
-                                          index_t ld_part, int ng, bool first) {
+                                          index_t ld_part, int ng) {
   for (int r = 0; r < NR; ++r)
     for (int z = 0; z < NZ; ++z) {
       double* d = s + r * ld_s + 16 * z;
-      __m512d lo = first ? _mm512_setzero_pd() : _mm512_load_pd(d);
-      __m512d hi = first ? _mm512_setzero_pd() : _mm512_load_pd(d + 8);
+      __m512d lo = _mm512_load_pd(d), hi = _mm512_load_pd(d + 8);
       for (int b = 0; b < ng; ++b)
         add_to_f64(lo, hi, _mm512_load_ps(part + b * ld_part + (r * NZ + z) * 16));
       _mm512_store_pd(d, lo);
@@ -381,7 +365,7 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_blocked(float* out, index_t l
     const bf16* xg = xp + (t0 / 16) * ld_tile;
     for (index_t rp = 0; rp < n_rows; rp += RP) {
       const int nrp = int(std::min<index_t>(RP, n_rows - rp));
-      if (d == 0) std::fill_n(&s[0][0], RP * TG, 0.0);
+      std::fill_n(&s[0][0], nrp * TG, 0.0);  // the double sums start at +0
       // In the first token group the rows come from memory: the next panel's (up to n_rows_pf)
       // are prefetched into L2 meanwhile, a quota of lines per register tile's k-block.
       const index_t n_next = t0 == 0 ? std::clamp<index_t>(n_rows_pf - (rp + RP), 0, RP) : 0;
@@ -410,7 +394,7 @@ TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_blocked(float* out, index_t l
                 tile_block<NR, NZ>(part + b * kPart, xg + bf16_panel_offset(k0), ld_tile, wr + k0,
                                    ld_w, np);
               }
-              fold<NR, NZ>(&s[r0][0], TG, part, kPart, ng, b0 == 0);
+              fold<NR, NZ>(&s[r0][0], TG, part, kPart, ng);
             });
           }
         }
