@@ -177,7 +177,8 @@ double thread_cpu_seconds() {
   return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
 }
 
-void run(benchmark::State& st, Kind kind, bool boundary, bool force_avx2 = false) {
+void run(benchmark::State& st, Kind kind, bool boundary, bool force_avx2 = false,
+         td::cpu::Bf16Dot bf16_dot = td::cpu::Bf16Dot::automatic) {
   const int T = int(st.range(0)), threads = int(st.range(1));
   if (force_avx2 && td::cpu::detect_isa() != td::cpu::Isa::avx512) {
     st.SkipWithError("the default tier is already avx2 or lower (see the _boundary rows)");
@@ -187,7 +188,7 @@ void run(benchmark::State& st, Kind kind, bool boundary, bool force_avx2 = false
   const double fma = tdbench::bf16_mac_gflops() * 1e9;  // BF16 inputs × BF16 weights
   Setup s(kind, T, boundary);
   const td::cpu::Context ctx{threads > 1 ? &pool2() : nullptr,
-                             force_avx2 ? td::cpu::Isa::avx2 : td::cpu::detect_isa()};
+                             force_avx2 ? td::cpu::Isa::avx2 : td::cpu::detect_isa(), bf16_dot};
   index_t copy = 0;
   const double cpu0 = thread_cpu_seconds();
   for (auto _ : st) {
@@ -272,6 +273,18 @@ void BM_indexer_compressor_boundary_avx2(benchmark::State& st) {
   run(st, Kind::inner, true, true);
 }
 
+// Bf16Dot::exact (the projections summed in double, golden's bits; issue 17): its cost against
+// the rows above, same process.
+void BM_csa_compressor_exact(benchmark::State& st) {
+  run(st, Kind::csa, false, false, td::cpu::Bf16Dot::exact);
+}
+void BM_hca_compressor_exact(benchmark::State& st) {
+  run(st, Kind::hca, false, false, td::cpu::Bf16Dot::exact);
+}
+void BM_indexer_compressor_exact(benchmark::State& st) {
+  run(st, Kind::inner, false, false, td::cpu::Bf16Dot::exact);
+}
+
 BENCHMARK(BM_csa_compressor)->Apply(args);
 BENCHMARK(BM_hca_compressor)->Apply(args);
 BENCHMARK(BM_indexer_compressor)->Apply(args);
@@ -281,6 +294,9 @@ BENCHMARK(BM_indexer_compressor_boundary)->Apply(boundary_args);
 BENCHMARK(BM_csa_compressor_boundary_avx2)->Apply(boundary_args);
 BENCHMARK(BM_hca_compressor_boundary_avx2)->Apply(boundary_args);
 BENCHMARK(BM_indexer_compressor_boundary_avx2)->Apply(boundary_args);
+BENCHMARK(BM_csa_compressor_exact)->Apply(boundary_args);
+BENCHMARK(BM_hca_compressor_exact)->Apply(boundary_args);
+BENCHMARK(BM_indexer_compressor_exact)->Apply(boundary_args);
 
 }  // namespace
 

@@ -174,6 +174,15 @@ const int kRegistered = [] {
     for (int T : {8, 128, 512}) g->Args({T, 1});
     g->ArgNames({"T", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
   }
+  // Bf16Dot::exact: x_n · [wq_a | wkv] summed in double (golden's bits; issue 17), every tier.
+  benchmark::RegisterBenchmark("qkv_projection_flash_exact", bm_qkv, td::flash_config(), true,
+                               td::cpu::Bf16Dot::exact)
+      ->Args({8, 1})
+      ->Args({8, 2})
+      ->Args({128, 1})
+      ->ArgNames({"T", "threads"})
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("qkv_projection_flash_unpacked", bm_qkv, td::flash_config(), false,
                                td::cpu::Bf16Dot::automatic)
       ->Args({8, 1})

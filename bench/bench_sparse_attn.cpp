@@ -168,7 +168,7 @@ struct OprojProblem {
 };
 
 void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int seq, int threads,
-              td::cpu::Isa isa) {
+              td::cpu::Isa isa, td::cpu::Bf16Dot bf16_dot) {
   if (!td::cpu::cpu_supports(isa)) {
     state.SkipWithError("ISA not supported by this CPU");
     return;
@@ -179,7 +179,7 @@ void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int seq, 
   OprojProblem& p = *slot;
   std::unique_ptr<td::ThreadPool> pool;
   if (threads > 1) pool = std::make_unique<td::ThreadPool>(threads);
-  const td::cpu::Context ctx{pool.get(), isa};
+  const td::cpu::Context ctx{pool.get(), isa, bf16_dot};
   std::vector<std::byte> ws(td::kernels::output_projection_workspace_bytes(cfg, p.T));
   double secs = 0, cpu = 0;
   for (auto _ : state) {
@@ -279,17 +279,25 @@ const int kRegistered = [] {
       const std::string name = "oproj_flash/B:" + std::to_string(batch) +
                                "/S:" + std::to_string(seq) + "/threads:" + std::to_string(threads);
       benchmark::RegisterBenchmark(name.c_str(), bm_oproj, td::flash_config(), batch, seq, threads,
-                                   td::cpu::detect_isa())
+                                   td::cpu::detect_isa(), td::cpu::Bf16Dot::automatic)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
+  // Bf16Dot::exact: wo_a summed in double (golden's bits; issue 17), at decode batch sizes.
+  for (int threads : {1, 2}) {
+    const std::string name = "oproj_flash_exact/B:4/S:2/threads:" + std::to_string(threads);
+    benchmark::RegisterBenchmark(name.c_str(), bm_oproj, td::flash_config(), 4, 2, threads,
+                                 td::cpu::detect_isa(), td::cpu::Bf16Dot::exact)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  }
   benchmark::RegisterBenchmark("oproj_pro/B:4/S:2/threads:1", bm_oproj, td::pro_config(), 4, 2, 1,
-                               td::cpu::detect_isa())
+                               td::cpu::detect_isa(), td::cpu::Bf16Dot::automatic)
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
   if (td::cpu::has_vnni(td::cpu::detect_isa())) {
     benchmark::RegisterBenchmark("oproj_flash_avx2/B:4/S:2/threads:1", bm_oproj, td::flash_config(),
-                                 4, 2, 1, td::cpu::Isa::avx2)
+                                 4, 2, 1, td::cpu::Isa::avx2, td::cpu::Bf16Dot::automatic)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }

@@ -10,8 +10,12 @@
 //   decode_step [--layers 4] [--preset flash|pro] [--context 8192] [--batch 4] [--steps 16]
 //               [--seq 2] [--threads N] [--isa scalar|avx2|avx2_vnni|avx512] [--seed S] [--check]
 //               [--dump DIR] [--dump-weights] [--backend cpu|a2a3] [--trace FILE]
+//               [--bf16-dot automatic|fma|dpbf16|exact]
 //
 // --backend cpu (default): prints a per-kernel wall-time table, tokens/s and peak memory.
+// --bf16-dot exact sums the long BF16 dots (compressor, q/kv and wo_a projections) in double, so
+// every BF16 / INT8 rounding after them rounds as golden's (cpu::Bf16Dot, issue 17); automatic
+// (default) takes the faster kernels of this CPU.
 // --backend a2a3: the SAME decode loop runs on the Ascend a2a3 execution model (backend/a2a3/):
 // every kernel of every layer is its tile program executed on the model's cores, so x_out, the
 // pools and every intermediate are the model's results; the table shows each kernel's PREDICTED
@@ -58,6 +62,7 @@ struct Options {
   int steps = 16;
   int threads = 0;
   std::string isa;
+  std::string bf16_dot;
   std::uint64_t seed = 20240601;
   bool check = false;
   std::string dump;
@@ -73,7 +78,8 @@ struct Options {
       "                   [--threads N] [--isa scalar|avx2|avx2_vnni|avx512] [--seed S] [--check] "
       "[--dump "
       "DIR]\n"
-      "                   [--dump-weights] [--backend cpu|a2a3] [--seq S] [--trace FILE]\n");
+      "                   [--dump-weights] [--backend cpu|a2a3] [--seq S] [--trace FILE]\n"
+      "                   [--bf16-dot automatic|fma|dpbf16|exact]\n");
   std::exit(code);
 }
 
@@ -113,6 +119,8 @@ Options parse(int argc, char** argv) {
       o.threads = next_int();
     else if (a == "--isa")
       o.isa = next();
+    else if (a == "--bf16-dot")
+      o.bf16_dot = next();
     else if (a == "--seed")
       o.seed = std::uint64_t(std::strtoull(next().c_str(), nullptr, 10));
     else if (a == "--check")
@@ -415,18 +423,27 @@ int main(int argc, char** argv) try {
   const td::cpu::Context host = td::cpu::make_context(&pool);
   a2::Machine machine(&pool);
   std::vector<a2::KernelReport> reports;
-  const td::decode::Backend be =
+  td::decode::Backend be =
       on_a2a3 ? td::decode::Backend::a2a3(&machine, &reports)
       : opt.isa.empty()
           ? td::decode::Backend::cpu(&pool)
           : td::decode::Backend::cpu(&pool, td::cpu::isa_from_string("decode_step --isa", opt.isa));
+  if (!opt.bf16_dot.empty()) {
+    if (on_a2a3)
+      throw td::Error(
+          "decode_step: --bf16-dot chooses the CPU backend's BF16 dots; the a2a3 "
+          "model sums as the chip does");
+    be.cpu_ctx.bf16_dot = td::cpu::bf16_dot_from_string("decode_step --bf16-dot", opt.bf16_dot);
+  }
   const index_t T = index_t(B) * S, D = cfg.hidden;
   std::printf(
       "DeepSeek-V4-%s attention decode: %d layers, batch %d x S=%d (MTP, commit 1), context %d, "
       "%d steps (max_seq_len %d), %zu threads, backend %s\n",
       std::string(cfg.name).c_str(), L, B, S, opt.context, opt.steps, cfg.max_seq_len, threads,
       on_a2a3 ? "a2a3 (execution model on the CPU)"
-              : ("cpu, isa " + std::string(td::cpu::to_string(be.cpu_ctx.isa))).c_str());
+              : ("cpu, isa " + std::string(td::cpu::to_string(be.cpu_ctx.isa)) + ", bf16 dots " +
+                 std::string(td::cpu::to_string(td::cpu::resolved_bf16_dot(be.cpu_ctx.bf16_dot))))
+                    .c_str());
 
   // ---- the stack: weights, pools, tables (spec §1.3 deployment, scaled for B > 4)
   const auto t_setup = Clock::now();

@@ -453,13 +453,24 @@ TEST(Isa, DetectAndCheck) {
   }
 }
 
-// The BF16 row choice: fma and dpbf16 stand, automatic resolves to this CPU's faster one (dpbf16
-// only on an AMD CPU with the avx512 tier), and a value that names no choice is rejected by name
-// before any kernel runs.
+// The BF16 row choice: fma, dpbf16 and exact stand, automatic resolves to this CPU's faster one
+// (dpbf16 only on an AMD CPU with the avx512 tier), the names parse back (a command line's
+// --bf16-dot), and a value that names no choice is rejected by name before any kernel runs.
 TEST(Isa, Bf16DotChoiceResolves) {
   namespace cpu = td::cpu;
   EXPECT_EQ(cpu::resolved_bf16_dot(cpu::Bf16Dot::fma), cpu::Bf16Dot::fma);
   EXPECT_EQ(cpu::resolved_bf16_dot(cpu::Bf16Dot::dpbf16), cpu::Bf16Dot::dpbf16);
+  EXPECT_EQ(cpu::resolved_bf16_dot(cpu::Bf16Dot::exact), cpu::Bf16Dot::exact);
+  for (auto b :
+       {cpu::Bf16Dot::automatic, cpu::Bf16Dot::fma, cpu::Bf16Dot::dpbf16, cpu::Bf16Dot::exact})
+    EXPECT_EQ(cpu::bf16_dot_from_string("test", cpu::to_string(b)), b);
+  try {
+    cpu::bf16_dot_from_string("decode_step --bf16-dot", "double");
+    ADD_FAILURE() << "no error";
+  } catch (const td::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'bf16_dot' = 'double'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("exact"), std::string::npos) << e.what();
+  }
   EXPECT_EQ(cpu::resolved_bf16_dot(cpu::Bf16Dot::automatic),
             cpu::cpu_bf16_dot_fast() ? cpu::Bf16Dot::dpbf16 : cpu::Bf16Dot::fma);
   if (!cpu::cpu_has_avx512()) {

@@ -378,6 +378,51 @@ TEST(QkvProjection, PackedAvx512MatmulExactOnExtremes) {
 }
 #endif
 
+// Bf16Dot::exact (backend/cpu/bf16_exact.hpp) on every tier this CPU has: x_n · [wq_a | wkv] are
+// golden's double sums rounded once, so q, kv and qr match golden (the rounding tests count the
+// values that differ: none at these sizes), and every tier, thread count and batch split gives the
+// scalar tier's bytes (T = 19: two 8-token groups of the kernels and a partial one).
+TEST(QkvProjection, ExactDotsMatchGoldenOnEveryTier) {
+  const QkvFixture f(td::flash_config(), 19, 41);
+  QkvOut g(f.cfg, f.T);
+  td::golden::qkv_projection(g.q.view(), g.kv.view(), g.qr.view(), g.qr_scale.view(), f.x_n.view(),
+                             f.weights(), f.rope.view(), f.pos.view(), f.cfg);
+  const auto ctx = [](td::Executor* e, td::cpu::Isa isa) {
+    return td::cpu::Context{e, isa, td::cpu::Bf16Dot::exact};
+  };
+  const auto same = [](const QkvOut& a, const QkvOut& b) {
+    return std::memcmp(a.q.data(), b.q.data(), a.q.size() * 2) == 0 &&
+           std::memcmp(a.kv.data(), b.kv.data(), a.kv.size() * 2) == 0 &&
+           std::memcmp(a.qr.data(), b.qr.data(), a.qr.size()) == 0 &&
+           std::memcmp(a.qr_scale.data(), b.qr_scale.data(), a.qr_scale.size() * 4) == 0;
+  };
+  QkvOut ref(f.cfg, f.T);
+  run_qkv(f, ref, ctx(nullptr, td::cpu::Isa::scalar));
+  expect_qkv_close(ref, g);
+  // The roundings to INT8 and BF16 are golden's; qr_scale (FP32, amax / 127 of cq) may be an ulp or
+  // two off: the kernel's cq is the FP32 dot normalised (spec: FP32 cq), golden's its double dot.
+  EXPECT_EQ(0, std::memcmp(ref.q.data(), g.q.data(), g.q.size() * 2)) << "q";
+  EXPECT_EQ(0, std::memcmp(ref.kv.data(), g.kv.data(), g.kv.size() * 2)) << "kv";
+  EXPECT_EQ(0, std::memcmp(ref.qr.data(), g.qr.data(), g.qr.size())) << "qr";
+  for (index_t t = 0; t < f.T; ++t)
+    EXPECT_LE(std::fabs(ref.qr_scale.view()(t) - g.qr_scale.view()(t)),
+              std::ldexp(std::fabs(g.qr_scale.view()(t)), -22))
+        << t;
+  for (td::cpu::Isa isa : td::cpu::supported_isas()) {
+    SCOPED_TRACE(td::cpu::to_string(isa));
+    for (std::size_t n : {1, 2, 7}) {
+      td::ThreadPool pool(n);
+      QkvOut o(f.cfg, f.T);
+      run_qkv(f, o, ctx(&pool, isa));
+      EXPECT_TRUE(same(o, ref)) << n << " threads";
+    }
+    QkvOut o(f.cfg, f.T);
+    for (index_t t0 = 0; t0 < f.T; t0 += 5)
+      run_qkv(f, o, ctx(nullptr, isa), nullptr, nullptr, t0, std::min(f.T, t0 + 5));
+    EXPECT_TRUE(same(o, ref)) << "tokens in batches of 5";
+  }
+}
+
 // The avx512 tier's vdpbf16ps x_n · [wq_a | wkv] (Bf16Dot::dpbf16 with the transposed load-time
 // copy QkvWeights::bf16_rows): another summation order than the other tiers, so held to golden
 // (expect_qkv_close) and to the rounding bars (test_rounding), not to their bits. It must be the

@@ -63,10 +63,11 @@ td::Tensor<bf16, 2> random_o(const td::ModelConfig& cfg, index_t T, std::uint64_
 }
 
 td::Tensor<bf16, 2> run_kernel(const Weights& w, const td::Tensor<bf16, 2>& o, index_t T,
-                               td::cpu::Isa isa, td::Executor* exec = nullptr) {
+                               td::cpu::Isa isa, td::Executor* exec = nullptr,
+                               td::cpu::Bf16Dot bf16_dot = td::cpu::Bf16Dot::automatic) {
   td::Tensor<bf16, 2> out({T, w.cfg.hidden});
   std::vector<std::byte> ws(td::kernels::output_projection_workspace_bytes(w.cfg, T));
-  td::kernels::output_projection(td::cpu::Context{exec, td::cpu::checked_isa(isa)}, w.cfg,
+  td::kernels::output_projection(td::cpu::Context{exec, td::cpu::checked_isa(isa), bf16_dot}, w.cfg,
                                  out.view(), o.view(), w.wo_a.view(), w.wo_b.view(), w.scale.view(),
                                  ws);
   return out;
@@ -118,6 +119,28 @@ TEST(Oproj, OddTokenCountsAndThreadsBitIdentical) {
   for (auto isa : isas())
     EXPECT_TRUE(tdtest::ratio_allclose(floats(run_kernel(w, o, 3, isa)), floats(g), 1e-4, 1.0 / 128,
                                        0.005));
+}
+
+// Bf16Dot::exact (backend/cpu/bf16_exact.hpp) on every tier this CPU has: wo_a's o_r are golden's
+// double sums rounded once, so the Q8 activations are golden's (the INT8 stage is exact) and the
+// output matches golden; every tier and thread count gives the scalar tier's bytes, at T = 1, 13
+// and 21 (the exact kernels' 8-token groups, a partial one, and the avx512 tier's blocked-wo_b
+// token counts).
+TEST(Oproj, ExactDotsOnEveryTier) {
+  const auto& w = flash_weights();
+  for (index_t T : {1, 13, 21}) {
+    const auto o = random_o(w.cfg, T, 50 + T);
+    const auto g = run_golden(w, o, T);
+    const auto ref = run_kernel(w, o, T, td::cpu::Isa::scalar, nullptr, td::cpu::Bf16Dot::exact);
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(ref), floats(g), 1e-4, 1.0 / 128, 0.005)) << T;
+    for (auto isa : isas())
+      for (std::size_t n : {1, 2, 7}) {
+        td::ThreadPool pool(n);
+        const auto x = run_kernel(w, o, T, isa, &pool, td::cpu::Bf16Dot::exact);
+        EXPECT_EQ(0, std::memcmp(ref.data(), x.data(), x.size() * sizeof(bf16)))
+            << "T=" << T << " threads=" << n << " " << td::cpu::to_string(isa);
+      }
+  }
 }
 
 // Batch invariance across the kernels' token blocking: from 16 tokens on, the avx512 tier runs

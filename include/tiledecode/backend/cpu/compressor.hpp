@@ -20,6 +20,7 @@
 #include <span>
 
 #include "tiledecode/backend/cpu/backend.hpp"
+#include "tiledecode/backend/cpu/bf16_exact.hpp"
 #include "tiledecode/backend/cpu/bf16_rows_avx512.hpp"
 #include "tiledecode/backend/cpu/compressor_avx2.hpp"
 #include "tiledecode/backend/cpu/compressor_avx512.hpp"
@@ -117,7 +118,9 @@ struct backend_ops_compressor {
     const ModelConfig& cfg = *a.cfg;
     const Ws ws = ws_of(a);
     const index_t T = a.tokens(), D = cfg.hidden, OUT = a.spec.out_dim(), SW = a.spec.state_width();
-    // The FP32 copy of x_n for the FMA kernels (the vdpbf16ps ones read the BF16 rows).
+    // The FP32 copy of x_n for the FMA kernels (the vdpbf16ps and the exact ones read the BF16
+    // rows).
+    const bool exact = be.bf16_dot == Bf16Dot::exact;
     const bool bf16_rows = I == Isa::avx512 && be.bf16_dot == Bf16Dot::dpbf16;
 #if TILEDECODE_X86
     // The blocked vdpbf16ps kernel reads x_n as a token panel, packed once here into the FP32
@@ -126,7 +129,7 @@ struct backend_ops_compressor {
     [[maybe_unused]] bf16* const xp = reinterpret_cast<bf16*>(ws.x32);
     if (panel) avx512::pack_bf16_panel(be, xp, a.x_n.data(), a.x_n.stride(0), T, D);
 #endif
-    if (!bf16_rows) {
+    if (!bf16_rows && !exact) {
       be.tasks(T, [&](std::int64_t t) {
         const bf16* src = a.x_n.data() + t * a.x_n.stride(0);
         float* dst = ws.x32 + t * D;
@@ -135,9 +138,11 @@ struct backend_ops_compressor {
     }
     // Tasks of RB rows of wkv, then of wgate: the split depends on the shape (and the path) only.
 #if TILEDECODE_X86
-    const index_t RB = bf16_rows ? avx512::kDpbf16TaskRows : index_t(kCompressorRowBlock);
+    const index_t RB = exact       ? kExactTaskRows
+                       : bf16_rows ? avx512::kDpbf16TaskRows
+                                   : index_t(kCompressorRowBlock);
 #else
-    const index_t RB = kCompressorRowBlock;
+    const index_t RB = exact ? kExactTaskRows : index_t(kCompressorRowBlock);
 #endif
     const index_t per = (OUT + RB - 1) / RB;
     be.tasks(2 * per, [&](std::int64_t i) {
@@ -146,6 +151,10 @@ struct backend_ops_compressor {
       const index_t r0 = (gate ? i - per : i) * RB, n = std::min(RB, OUT - r0);
       float* out = ws.proj + (gate ? OUT : 0) + r0;
       const bf16* wr = m.data() + r0 * m.stride(0);
+      if (exact) {  // Bf16Dot::exact, every tier: double sums in ascending k (bf16_exact.hpp)
+        bf16_rows_dot_exact(I, out, SW, a.x_n.data(), a.x_n.stride(0), T, wr, m.stride(0), n, D);
+        return;
+      }
 #if TILEDECODE_X86
       // avx512 with Bf16Dot::dpbf16 (automatic on AMD: vdpbf16ps at twice the FMA rate there):
       // the o-proj wo_a kernels on the BF16 x_n, their own summation order, one bits for any T

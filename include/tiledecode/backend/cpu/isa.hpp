@@ -193,11 +193,21 @@ inline std::vector<Isa> supported_isas() {
 //              for rounding rates) and with vdpbf16ps's DAZ / FTZ (docs/security.md).
 //   automatic  dpbf16 where vdpbf16ps retires at least the FP32 FMA FLOP rate
 //              (cpu_bf16_dot_fast), fma elsewhere.
-// Other tiers have no vdpbf16ps and ignore the choice.
-enum class Bf16Dot : std::uint8_t { automatic, fma, dpbf16 };
+// Other tiers have no vdpbf16ps and ignore fma / dpbf16.
+//   exact      on every tier (issue 17): those dots, the q/kv projection's x_n · [wq_a | wkv]
+//              and the o-proj's wo_a summed in double in ascending k (bf16_exact.hpp), so each
+//              FP32 result is the exact dot rounded once (golden's bits) and every BF16 / INT8
+//              rounding downstream rounds as the exact value does (tests/test_rounding.cpp).
+//              One double FMA per product: at decode batch sizes 1.4-2.5x the time of the
+//              projections' default (docs/compressors.md, "Exact dots"), for engines that check
+//              their outputs against the reference to the last bit.
+enum class Bf16Dot : std::uint8_t { automatic, fma, dpbf16, exact };
 
 constexpr std::string_view to_string(Bf16Dot b) {
-  return b == Bf16Dot::fma ? "fma" : b == Bf16Dot::dpbf16 ? "dpbf16" : "automatic";
+  return b == Bf16Dot::fma      ? "fma"
+         : b == Bf16Dot::dpbf16 ? "dpbf16"
+         : b == Bf16Dot::exact  ? "exact"
+                                : "automatic";
 }
 
 // True where vdpbf16ps is the faster way to multiply BF16 rows: AMD processors with the avx512
@@ -218,18 +228,27 @@ inline bool cpu_bf16_dot_fast() {
 #endif
 }
 
+// Parses to_string's names (a command line's --bf16-dot); throws tiledecode::Error otherwise.
+inline Bf16Dot bf16_dot_from_string(std::string_view where, std::string_view name) {
+  for (Bf16Dot b : {Bf16Dot::automatic, Bf16Dot::fma, Bf16Dot::dpbf16, Bf16Dot::exact})
+    if (name == to_string(b)) return b;
+  throw Error(std::string(where) + ": argument 'bf16_dot' = '" + std::string(name) +
+              "' is not a choice; allowed automatic, fma, dpbf16, exact");
+}
+
 // The choice a tier runs with (never automatic); throws tiledecode::Error for a value that names
 // no choice.
 inline Bf16Dot resolved_bf16_dot(Bf16Dot requested) {
   switch (requested) {
     case Bf16Dot::fma:
     case Bf16Dot::dpbf16:
+    case Bf16Dot::exact:
       return requested;
     case Bf16Dot::automatic:
       return cpu_bf16_dot_fast() ? Bf16Dot::dpbf16 : Bf16Dot::fma;
   }
   throw Error("cpu::Context: argument 'bf16_dot' = " + std::to_string(static_cast<int>(requested)) +
-              " is not a choice; allowed automatic, fma, dpbf16");
+              " is not a choice; allowed automatic, fma, dpbf16, exact");
 }
 
 // Validates an explicitly requested ISA (tests force every path).

@@ -13,6 +13,8 @@
 //              u8; exact, so bit-identical),
 //              every group's INT32 P_g consumed at once by the dequantised group sum and the BF16
 //              store — the program's combine is fused here (no INT32 partials in memory).
+// With Bf16Dot::exact (every tier) wo_a sums each whole row in double in ascending k straight from
+// o_packed (bf16_exact.hpp): o_r is golden's, so Q8 of it rounds as the exact value does.
 // At decode sizes (T = 8) every weight is read once per call: 64 MiB (flash wo_a, BF16) + 32 MiB
 // (wo_b, INT8) against 2·T operations per weight element; see docs/sparse_attention.md.
 // From 16 tokens the avx512 tier blocks both stages for the caches with the same bits (batch
@@ -34,6 +36,7 @@
 #include <string>
 
 #include "tiledecode/backend/cpu/backend.hpp"
+#include "tiledecode/backend/cpu/bf16_exact.hpp"
 #include "tiledecode/backend/cpu/bf16_rows_avx512.hpp"
 #include "tiledecode/backend/cpu/output_projection_avx2.hpp"
 #include "tiledecode/backend/cpu/output_projection_avx512.hpp"
@@ -203,6 +206,18 @@ struct backend_ops_output_projection {
     using namespace output_projection_detail;
     const ModelConfig& cfg = *x.cfg;
     const index_t T = x.tokens(), G = cfg.o_groups, R = cfg.o_lora, K = cfg.o_group_in();
+    if (s.be.bf16_dot == Bf16Dot::exact) {
+      // Every tier: whole rows summed in double in ascending k straight from o_packed (no copy;
+      // bf16_exact.hpp): each o_r is the exact dot rounded once, golden's bits.
+      const index_t row_tasks = (R + kExactTaskRows - 1) / kExactTaskRows;
+      s.be.tasks((g1 - g0) * row_tasks, [&](std::int64_t task) {
+        const index_t g = g0 + task / row_tasks, r0 = (task % row_tasks) * kExactTaskRows;
+        bf16_rows_dot_exact(I, s.orr + g * R + r0, G * R, &x.o_packed(g * T, 0),
+                            x.o_packed.stride(0), T, &x.wo_a(g, r0, 0), x.wo_a.stride(1),
+                            std::min(kExactTaskRows, R - r0), K);
+      });
+      return;
+    }
     [[maybe_unused]] bf16* const ob = reinterpret_cast<bf16*>(s.of);  // the BF16 copy
     // From kBf16BlockedMinTokens tokens the BF16 copy is each group's token panel
     // (avx512::pack_bf16_panel_tile; group g's at ob + g · panel), else rows as o_packed's.
@@ -273,7 +288,9 @@ struct backend_ops_output_projection {
     });
   }
   // P_g of every group for a 32-channel task, dequantised and summed over g in order while in
-  // registers, then scaled and rounded: the program's combine happens here.
+  // registers (golden's combine: exact products adq · P_g, double sums in ascending g, the scale in
+  // double, one rounding to FP32 then BF16), then scaled and rounded: the program's combine happens
+  // here.
   static void project_b(const Sched& s, const kernels::OutputProjectionArgs& x, int g0, int g1) {
     using namespace output_projection_detail;
     const index_t T = x.tokens(), G = x.cfg->o_groups, R = x.cfg->o_lora, N = x.cfg->hidden;
@@ -293,17 +310,18 @@ struct backend_ops_output_projection {
           const index_t n2 = std::min(n + 1, n1 - 1);
           const std::int8_t* w = &x.wo_b(n, 0);
           const std::int64_t ldw = &x.wo_b(n2, 0) - w;
-          float acc[kTok][2] = {};
+          double acc[kTok][2] = {};  // golden's combine: exact products, double sums
           for (index_t g = g0; g < g1; ++g) {
             std::int32_t p[kTok][2];
             Ops::b_pair(&p[0][0], 2, s.a + t0 * G * R + g * R, G * R, nt, w + g * R, ldw, int(R),
                         s.asum + t0 * G + g, G);
             for (int t = 0; t < nt; ++t)
-              for (int c = 0; c < 2; ++c) acc[t][c] += s.adq[(t0 + t) * G + g] * float(p[t][c]);
+              for (int c = 0; c < 2; ++c)
+                acc[t][c] += double(s.adq[(t0 + t) * G + g]) * double(p[t][c]);
           }
           for (int t = 0; t < nt; ++t) {
-            x.attn_out(t0 + t, n) = bf16(x.wo_b_scale(n) * acc[t][0]);
-            if (n2 != n) x.attn_out(t0 + t, n2) = bf16(x.wo_b_scale(n2) * acc[t][1]);
+            x.attn_out(t0 + t, n) = bf16(float(double(x.wo_b_scale(n)) * acc[t][0]));
+            if (n2 != n) x.attn_out(t0 + t, n2) = bf16(float(double(x.wo_b_scale(n2)) * acc[t][1]));
           }
         }
       }
@@ -312,7 +330,7 @@ struct backend_ops_output_projection {
 #if TILEDECODE_X86
   // project_b's bits for many tokens on the avx512 tier: per 32-channel task and chunk of tokens,
   // the groups in ascending order, each group's 4-channel weight blocks (L1) run over every token
-  // tile of the chunk (avx512::oproj_b_group), the FP32 group sums kept in a 64 × 32 stack tile.
+  // tile of the chunk (avx512::oproj_b_group), the double group sums kept in a 64 × 32 stack tile.
   static void project_b_blocked(const Sched& s, const kernels::OutputProjectionArgs& x, int g0,
                                 int g1) {
     using namespace output_projection_detail;
@@ -325,7 +343,7 @@ struct backend_ops_output_projection {
       const index_t n0 = task * kChanPerTask, n1 = std::min<index_t>(N, n0 + kChanPerTask);
       for (index_t t0 = 0; t0 < T; t0 += kChunk) {
         const index_t nch = std::min<index_t>(kChunk, T - t0);
-        float acc[kChunk][kChanPerTask] = {};
+        double acc[kChunk][kChanPerTask] = {};
         for (index_t g = g0; g < g1; ++g)
           for (index_t c0 = n0; c0 < n1; c0 += kRows)
             for (index_t tt = 0; tt < nch; tt += kTile) {
@@ -337,7 +355,7 @@ struct backend_ops_output_projection {
             }
         for (index_t t = 0; t < nch; ++t)
           for (index_t n = n0; n < n1; ++n)
-            x.attn_out(t0 + t, n) = bf16(x.wo_b_scale(n) * acc[t][n - n0]);
+            x.attn_out(t0 + t, n) = bf16(float(double(x.wo_b_scale(n)) * acc[t][n - n0]));
       }
     });
   }

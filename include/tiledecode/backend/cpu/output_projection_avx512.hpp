@@ -124,22 +124,22 @@ TILEDECODE_TARGET_AVX512 inline void oproj_b_pair(std::int32_t* p, std::int64_t 
 // quarter of the vpdpbusd ceiling.
 inline constexpr int kOprojBRows = 4;          // weight rows (output channels) per tile
 inline constexpr int kOprojBTileTokens = 6;    // tokens per tile
-inline constexpr int kOprojBChunkTokens = 64;  // tokens per chunk of FP32 group sums
+inline constexpr int kOprojBChunkTokens = 64;  // tokens per chunk of double group sums
 // project_b takes project_b_blocked (oproj_b_group) from this many tokens (the same bits: P_g is
 // exact).
 inline constexpr std::int64_t kOprojBBlockedMinTokens = 16;
 
 // One group's dequantised sums of output channels [0, NC) (weight rows w + c·ldw) for NT tokens,
-// added to their running FP32 sums:
-//   acc[t * ld_acc + c] += adq[t * ld_tok] · float(P[t, c]),
+// added to their running double sums:
+//   acc[t * ld_acc + c] += double(adq[t * ld_tok]) · double(P[t, c]),
 //   P[t, c] = Σ_{r < kr} a[t * lda + r] · w[c * ldw + r]   (exact INT32)
-// with oproj_b_tile's offset and bounds (a_sum[t * ld_tok] = Σ_r a[t * lda + r]). The product and
-// the sum are each rounded, in vector lanes or not: the other tiers' combine, bit for bit, when
-// the caller runs the groups in ascending order. a, a_sum and adq point at the first token's
-// group.
+// with oproj_b_tile's offset and bounds (a_sum[t * ld_tok] = Σ_r a[t * lda + r]). The product is
+// exact (24 × 24 bits) and the sum rounded once per group, in vector lanes or not: the other
+// tiers' combine and golden's, bit for bit, when the caller runs the groups in ascending order.
+// a, a_sum and adq point at the first token's group.
 template <int NC, int NT, bool kHalfStep>
 TILEDECODE_TARGET_AVX512 inline void oproj_b_tile_rows(
-    float* acc, std::int64_t ld_acc, const std::int8_t* a, std::int64_t lda, const std::int8_t* w,
+    double* acc, std::int64_t ld_acc, const std::int8_t* a, std::int64_t lda, const std::int8_t* w,
     std::int64_t ldw, int kr, const float* adq, const std::int32_t* a_sum, std::int64_t ld_tok) {
   __m512i c[NT][NC];
   for (int t = 0; t < NT; ++t)
@@ -164,15 +164,18 @@ TILEDECODE_TARGET_AVX512 inline void oproj_b_tile_rows(
                             f[4 * t + 4], f[4 * t + 5], f[4 * t + 6], f[4 * t + 7]};
       const __m256i bias = _mm256_setr_m128i(_mm_set1_epi32(128 * a_sum[t * ld_tok]),
                                              _mm_set1_epi32(128 * a_sum[t1 * ld_tok]));
-      const __m256 scale =
-          _mm256_setr_m128(_mm_set1_ps(adq[t * ld_tok]), _mm_set1_ps(adq[t1 * ld_tok]));
-      const __m256 d =
-          _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(avx2::hsum8_epi32(v), bias)));
-      float* a0 = acc + t * ld_acc;
-      _mm_storeu_ps(a0, _mm_add_ps(_mm_loadu_ps(a0), _mm256_castps256_ps128(d)));
+      const __m256i p = _mm256_sub_epi32(avx2::hsum8_epi32(v), bias);
+      double* a0 = acc + t * ld_acc;
+      _mm256_storeu_pd(a0,
+                       _mm256_add_pd(_mm256_loadu_pd(a0),
+                                     _mm256_mul_pd(_mm256_set1_pd(double(adq[t * ld_tok])),
+                                                   _mm256_cvtepi32_pd(_mm256_castsi256_si128(p)))));
       if (t + 1 < NT) {
-        float* a1 = acc + (t + 1) * ld_acc;
-        _mm_storeu_ps(a1, _mm_add_ps(_mm_loadu_ps(a1), _mm256_extractf128_ps(d, 1)));
+        double* a1 = acc + t1 * ld_acc;
+        _mm256_storeu_pd(
+            a1, _mm256_add_pd(_mm256_loadu_pd(a1),
+                              _mm256_mul_pd(_mm256_set1_pd(double(adq[t1 * ld_tok])),
+                                            _mm256_cvtepi32_pd(_mm256_extracti128_si256(p, 1)))));
       }
     }
   } else {
@@ -186,14 +189,14 @@ TILEDECODE_TARGET_AVX512 inline void oproj_b_tile_rows(
     for (int t = 0; t < NT; ++t) {
       const std::int32_t bias = 128 * a_sum[t * ld_tok];
       for (int k = 0; k < NC; ++k)
-        acc[t * ld_acc + k] += adq[t * ld_tok] * float(sums[t * NC + k] - bias);
+        acc[t * ld_acc + k] += double(adq[t * ld_tok]) * double(sums[t * NC + k] - bias);
     }
   }
 }
 
 // oproj_b_tile_rows for nc <= kOprojBRows channels and nt <= kOprojBTileTokens tokens of one
 // group (R bytes).
-TILEDECODE_TARGET_AVX512 inline void oproj_b_group(float* acc, std::int64_t ld_acc, int nt, int nc,
+TILEDECODE_TARGET_AVX512 inline void oproj_b_group(double* acc, std::int64_t ld_acc, int nt, int nc,
                                                    const std::int8_t* a, std::int64_t lda,
                                                    const std::int8_t* w, std::int64_t ldw,
                                                    const float* adq, const std::int32_t* a_sum,

@@ -24,7 +24,9 @@
 // cpu::avx512::matmul_i8_packed, and the avx2 matmul without it). Every output element has one
 // producer and a fixed order: results do not depend on the thread count or on T (batch
 // invariance), and the scalar, AVX2, AVX-VNNI and AVX-512 paths give identical results. The
-// exception, by the caller's choice: Isa::avx512 with Bf16Dot::dpbf16 (automatic on AMD) and the
+// exceptions, by the caller's choice: Bf16Dot::exact (every tier) sums x_n · [wq_a | wkv] in
+// double in ascending k (bf16_exact.hpp: the exact dots rounded once, golden's bits); and
+// Isa::avx512 with Bf16Dot::dpbf16 (automatic on AMD) and the
 // transposed copy QkvWeights::bf16_rows runs x_n · [wq_a | wkv] on the vdpbf16ps row kernels
 // (bf16_rows_avx512.hpp), another summation order held to golden and to the rounding bars, still
 // thread- and batch-invariant (Zen 5, T = 128: 27.9-28.1 → 20.2-20.4 ms for the projection).
@@ -42,6 +44,7 @@
 #include <cstring>
 
 #include "tiledecode/backend/cpu/backend.hpp"
+#include "tiledecode/backend/cpu/bf16_exact.hpp"
 #include "tiledecode/backend/cpu/bf16_rows_avx512.hpp"
 #include "tiledecode/backend/cpu/decode_avx2.hpp"
 #include "tiledecode/backend/cpu/decode_avx512.hpp"
@@ -283,7 +286,8 @@ struct backend_ops_qkv_projection {
   static void project_a(const Cpu<I>& be, const kernels::QkvArgs& a) {
     const index_t T = a.tokens(), D = a.cfg->hidden, QL = a.cfg->q_lora, HD = a.cfg->head_dim;
     const QkvScratch& s = a.s;
-    const bool rows = dpbf16_rows(be, a);
+    const bool exact = be.bf16_dot == Bf16Dot::exact;  // every tier (bf16_exact.hpp)
+    const bool rows = !exact && dpbf16_rows(be, a);
 #if TILEDECODE_X86
     // The blocked vdpbf16ps kernel reads x_n as a token panel, packed once here into the FP32
     // copy's space (unused on that path; a caller's contiguous (T, D) scratch), shared by every
@@ -293,7 +297,7 @@ struct backend_ops_qkv_projection {
     [[maybe_unused]] bf16* const xp = reinterpret_cast<bf16*>(s.x.data());
     if (panel) avx512::pack_bf16_panel(be, xp, a.x_n.data(), a.x_n.stride(0), T, D);
 #endif
-    if (!rows)
+    if (!rows && !exact)
       for (index_t t = 0; t < T; ++t)
         for (index_t k = 0; k < D; ++k) s.x(t, k) = a.x_n(t, k).to_float();
     const index_t q_tiles = QL / kTile, kv_tiles = HD / kTile;
@@ -302,6 +306,11 @@ struct backend_ops_qkv_projection {
       const index_t n0 = (is_q ? task : task - q_tiles) * kTile;
       const ConstView<bf16, 2>& wm = is_q ? a.w.wq_a : a.w.wkv;
       const View<float, 2> dst = is_q ? s.cq : s.kvf;
+      if (exact) {  // double sums in ascending k from the BF16 x_n: golden's bits
+        bf16_cols_dot_exact(I, dst.data(), dst.stride(0), a.x_n.data(), a.x_n.stride(0), T,
+                            wm.data(), wm.stride(0), D, n0, n0 + kTile);
+        return;
+      }
 #if TILEDECODE_X86
       if constexpr (I == Isa::avx512) {
         if (rows) {

@@ -1,0 +1,508 @@
+#pragma once
+// Exact BF16 dots (cpu::Bf16Dot::exact, issue 17): the long dots of a step whose results are
+// rounded to BF16 or INT8 downstream (the compressors' x_n · wkv / wgate, the q/kv projection's
+// x_n · wq_a / wkv, the o-proj's wo_a), computed so that their FP32 results are the exact dots
+// rounded once, as golden computes them.
+//
+// The order: out = float(s), s = Σ_{k<d} x[k] · w[k] in double, from +0, in ascending k: the
+// goldens' own loop (golden/compressor.hpp, qkv_projection.hpp, output_projection.hpp), so every
+// tier here gives golden's bits.
+// Why that is the exact dot rounded once: x and w are BF16 (8 significant bits each), so each
+// product has at most 16 significant bits and is exact in double (53), and an FMA and a multiply
+// then add give the same bits. Each double addition is off by at most 2^-53 of its running sum,
+// so |s − Σ| <= d · 2^-53 · Σ|x·w| (d = 4096: 4.5e-13 · Σ|x·w|), against half an FP32 ulp of the
+// result, 2^-24 · |Σ| ≈ 6e-8 · |Σ|: float(s) is the correctly rounded exact dot unless the dot
+// lies within that bound of an FP32 rounding midpoint (at the layer's statistics, where Σ|x·w| ≈
+// 40 |Σ|, a relative window of ~2e-11 against an ulp of 1.2e-7: the bound allows a few values in
+// 10^4; the actual error is a random walk of the additions' roundings, ~1e-14 relative, so about
+// one in 10^7; measured: none in tests/test_rounding.cpp's 131072 dots). No DAZ / FTZ: BF16
+// subnormals are exact in double. NaN and ±Inf follow IEEE through the same additions (NaN
+// payloads are not pinned across tiers).
+//
+// The cost is the arithmetic: one double FMA (8 lanes on AVX-512, 4 on AVX2) per product against
+// 32 per vdpbf16ps and 16 per FP32 FMA; docs/compressors.md gives the measured slowdown.
+//
+// Arrangements (the order above is per output; only the lanes differ):
+//   rows  w[r·ld_w + k] (a weight row per output; the compressors, wo_a): the lanes on 8 tokens.
+//         Per block of kBlockK k, each 8-token group's x as a panel of doubles [k][8 tokens] and
+//         the register tile's rows widened to doubles once for a pass of up to kGroups panels;
+//         per k one panel load and a broadcast multiply-add per row. AVX-512: 24 rows per
+//         register tile, AVX2: 6 (two vectors each). The next block of each row is prefetched.
+//   cols  w[k·ld_w + n] (a weight column per output; the q/kv wq_a / wkv): the lanes on 8 (4)
+//         columns, each token's x[k] broadcast. AVX-512: 3 column vectors × 8 tokens per tile,
+//         AVX2: 3 × 4.
+// Partial sums live in double between k blocks (stored, reloaded: the same value). Neither
+// kernel throws or allocates; scratch is on the stack (rows 52 KB, cols 38 KB).
+
+#include <algorithm>
+#include <cstdint>
+
+#include "tiledecode/backend/cpu/isa.hpp"
+#include "tiledecode/backend/cpu/static_count.hpp"
+#include "tiledecode/core/bf16.hpp"
+#include "tiledecode/core/view.hpp"
+
+namespace tiledecode::cpu {
+
+// Weight rows per task where the callers split the exact row dots (a shape-only split: a multiple
+// of both tiers' register tiles, one kernel chunk).
+inline constexpr index_t kExactTaskRows = 96;
+
+// ---------------------------------------------------------------------------------------------
+// The order itself (every target; the scalar tier's kernels).
+
+// Σ_{k<d} x[k] · w[k·stride] in double, ascending k, from +0.
+inline double bf16_dot_exact(const bf16* x, const bf16* w, index_t d, index_t stride = 1) {
+  double s = 0.0;
+  for (index_t k = 0; k < d; ++k) s += double(x[k].to_float()) * double(w[k * stride].to_float());
+  return s;
+}
+
+// out[t·ld_out + r] = float(Σ_k x[t·ld_x + k] · w[r·ld_w + k]), t < n_tok, r < n_rows.
+inline void bf16_rows_dot_exact_scalar(float* out, index_t ld_out, const bf16* x, index_t ld_x,
+                                       index_t n_tok, const bf16* w, index_t ld_w, index_t n_rows,
+                                       index_t d) {
+  for (index_t t = 0; t < n_tok; ++t)
+    for (index_t r = 0; r < n_rows; ++r)
+      out[t * ld_out + r] = float(bf16_dot_exact(x + t * ld_x, w + r * ld_w, d));
+}
+
+// out[t·ld_out + n] = float(Σ_k x[t·ld_x + k] · w[k·ld_w + n]), t < n_tok, n0 <= n < n1.
+inline void bf16_cols_dot_exact_scalar(float* out, index_t ld_out, const bf16* x, index_t ld_x,
+                                       index_t n_tok, const bf16* w, index_t ld_w, index_t d,
+                                       index_t n0, index_t n1) {
+  constexpr index_t C = 64;  // columns per pass: their sums advance together over k
+  for (index_t t = 0; t < n_tok; ++t)
+    for (index_t c0 = n0; c0 < n1; c0 += C) {
+      const index_t nc = std::min(C, n1 - c0);
+      double s[C] = {};
+      for (index_t k = 0; k < d; ++k) {
+        const double xv = x[t * ld_x + k].to_float();
+        const bf16* wk = w + k * ld_w + c0;
+        for (index_t j = 0; j < nc; ++j) s[j] += xv * double(wk[j].to_float());
+      }
+      for (index_t j = 0; j < nc; ++j) out[t * ld_out + c0 + j] = float(s[j]);
+    }
+}
+
+#if TILEDECODE_X86
+namespace exact_detail {
+inline constexpr int kTok = 8;          // rows: tokens per panel (the lanes of a register tile)
+inline constexpr index_t kBlockK = 64;  // rows: k per block (a panel 4 KB, a widened tile 12 KB)
+inline constexpr int kGroups = 4;       // rows: 8-token panels per pass over a row chunk's weights
+inline constexpr index_t kChunkRows = 96;    // rows whose double sums are held at once
+inline constexpr index_t kColsBlockK = 512;  // cols: k per block (8 tokens' x as double, 32 KB)
+inline constexpr index_t kChunkCols = 96;    // cols: columns whose double sums are held at once
+
+// The row's next block of weights (wr: this block, left: k from it to the row's end) into L1
+// while this one runs: a chunk's rows are read a block at a time, more streams than the hardware
+// prefetchers follow.
+inline void prefetch_next_block(const bf16* wr, index_t left) {
+  const index_t n = std::min(kBlockK, left - kBlockK);
+  for (index_t k = 0; k < n; k += 32)
+    _mm_prefetch(reinterpret_cast<const char*>(wr + kBlockK + k), _MM_HINT_T0);
+}
+
+using Panels = double[kGroups][kBlockK * kTok];
+using Sums = double[kGroups][kChunkRows * kTok];
+
+// The rows arrangement of both vector tiers (the lanes on 8 tokens). Tier provides kTileRows and
+//   token_panel(xp, x, ld_x, nt, kk)    xp[k][t] = x[t·ld_x + k] as double (t >= nt: +0)
+//   widen_rows(wd, w, ld_w, nr, kk, left)   wd[r][k] = w[r·ld_w + k] as double, r < nr, and
+//                                       each row's next block prefetched (left: k to its end)
+//   tiles(nr, s, off, wd, xp, ng, kk)   s[g][off + r·8 + t] += Σ_k wd[r][k] · xp[g][k][t],
+//   ascending
+// Per chunk of rows and pass of up to kGroups panels, each block of a tile's rows is widened once.
+// Always inlined into the tier's entry point, which compiles it (and Tier's functions) for the
+// tier's target.
+template <class Tier>
+__attribute__((always_inline)) inline void rows_driver(float* out, index_t ld_out, const bf16* x,
+                                                       index_t ld_x, index_t n_tok, const bf16* w,
+                                                       index_t ld_w, index_t n_rows, index_t d) {
+  alignas(64) Panels xp;
+  alignas(64) double wd[Tier::kTileRows * kBlockK];
+  alignas(64) Sums s;
+  for (index_t r0 = 0; r0 < n_rows; r0 += kChunkRows) {
+    const index_t nrc = std::min(kChunkRows, n_rows - r0);
+    for (index_t t0 = 0; t0 < n_tok; t0 += kGroups * kTok) {
+      const int ng = int(std::min<index_t>(kGroups, (n_tok - t0 + kTok - 1) / kTok));
+      for (int g = 0; g < ng; ++g) std::fill_n(s[g], nrc * kTok, 0.0);
+      for (index_t k0 = 0; k0 < d; k0 += kBlockK) {
+        const index_t kk = std::min(kBlockK, d - k0);
+        for (int g = 0; g < ng; ++g) {
+          const index_t tg = t0 + g * kTok;
+          Tier::token_panel(xp[g], x + tg * ld_x + k0, ld_x,
+                            int(std::min<index_t>(kTok, n_tok - tg)), kk);
+        }
+        for (index_t rr = 0; rr < nrc; rr += Tier::kTileRows) {
+          const int nr = int(std::min<index_t>(Tier::kTileRows, nrc - rr));
+          const bf16* wr = w + (r0 + rr) * ld_w + k0;
+          Tier::widen_rows(wd, wr, ld_w, nr, kk, d - k0);
+          Tier::tiles(nr, s, rr * kTok, wd, xp, ng, kk);
+        }
+      }
+      for (int g = 0; g < ng; ++g) {
+        const index_t tg = t0 + g * kTok;
+        for (index_t t = 0; t < std::min<index_t>(kTok, n_tok - tg); ++t)
+          for (index_t r = 0; r < nrc; ++r)
+            out[(tg + t) * ld_out + r0 + r] = float(s[g][r * kTok + t]);
+      }
+    }
+  }
+}
+
+// The cols arrangement of both vector tiers (the lanes on Tier::kLanes columns, Tier::kColTok
+// tokens per register tile). Tier provides
+//   widen_x(xr, x, kk)                  xr[k] = x[k] as double (x null: +0)
+//   col_tiles(nv, s, ld_s, xr, w, ld_w, kk)   s[t·ld_s + j] += Σ_k xr[t][k] · w[k·ld_w + j],
+//                                       ascending k, for j < nv·kLanes (xr: kColsBlockK apart)
+// and the last columns (fewer than kLanes) are summed here one at a time, in the same order.
+template <class Tier>
+__attribute__((always_inline)) inline void cols_driver(float* out, index_t ld_out, const bf16* x,
+                                                       index_t ld_x, index_t n_tok, const bf16* w,
+                                                       index_t ld_w, index_t d, index_t n0,
+                                                       index_t n1) {
+  constexpr int TT = Tier::kColTok, L = Tier::kLanes;
+  alignas(64) double xr[TT * kColsBlockK];
+  alignas(64) double s[TT * kChunkCols];
+  for (index_t c0 = n0; c0 < n1; c0 += kChunkCols) {
+    const index_t nc = std::min(kChunkCols, n1 - c0), nv = nc / L;  // whole vectors
+    for (index_t t0 = 0; t0 < n_tok; t0 += TT) {
+      const int nt = int(std::min<index_t>(TT, n_tok - t0));
+      std::fill_n(s, TT * kChunkCols, 0.0);
+      for (index_t k0 = 0; k0 < d; k0 += kColsBlockK) {
+        const index_t kk = std::min(kColsBlockK, d - k0);
+        for (int t = 0; t < TT; ++t)
+          Tier::widen_x(xr + t * kColsBlockK, t < nt ? x + (t0 + t) * ld_x + k0 : nullptr, kk);
+        Tier::col_tiles(nv, s, kChunkCols, xr, w + k0 * ld_w + c0, ld_w, kk);
+        for (index_t j = L * nv; j < nc; ++j)
+          for (int t = 0; t < nt; ++t) {
+            double a = s[t * kChunkCols + j];
+            for (index_t k = 0; k < kk; ++k)
+              a += xr[t * kColsBlockK + k] * double(w[(k0 + k) * ld_w + c0 + j].to_float());
+            s[t * kChunkCols + j] = a;
+          }
+      }
+      for (int t = 0; t < nt; ++t)
+        for (index_t j = 0; j < nc; ++j)
+          out[(t0 + t) * ld_out + c0 + j] = float(s[t * kChunkCols + j]);
+    }
+  }
+}
+}  // namespace exact_detail
+
+namespace avx512 {
+namespace exact_detail {
+using namespace cpu::exact_detail;
+
+// Every lane. The maskz forms of the intrinsics below take +0 where the plain ones take an
+// "undefined" source, which GCC 12 reports as maybe-uninitialized once they are inlined (the same
+// instructions: an all-ones mask is no mask).
+inline constexpr __mmask8 kAll = 0xff;
+
+// The n <= 8 BF16 at p as 8 doubles (the rest +0).
+TILEDECODE_TARGET_AVX512 inline __m512d widen8(const bf16* p, index_t n) {
+  const __m128i v = n >= 8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                           : _mm_maskz_loadu_epi16(__mmask8((1u << n) - 1u), p);
+  return _mm512_maskz_cvtps_pd(
+      kAll, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
+}
+
+// s[r][0..8) += Σ_{k<kk} wd[r][k] · xp[k][0..8), ascending k (s: NR × 8 doubles).
+template <int NR>
+TILEDECODE_TARGET_AVX512 inline void rows_tile(double* s, const double* wd, const double* xp,
+                                               index_t kk) {
+  __m512d acc[NR];
+#pragma GCC unroll 24
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_load_pd(s + r * kTok);
+  for (index_t k = 0; k < kk; ++k) {
+    const __m512d xv = _mm512_load_pd(xp + k * kTok);
+#pragma GCC unroll 24
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm512_fmadd_pd(_mm512_set1_pd(wd[r * kBlockK + k]), xv, acc[r]);
+  }
+#pragma GCC unroll 24
+  for (int r = 0; r < NR; ++r) _mm512_store_pd(s + r * kTok, acc[r]);
+}
+
+// s[t][v·8 + j] += Σ_{k<kk} xr[t][k] · w[k·ld_w + v·8 + j], ascending k, t < 8, v < NV.
+template <int NV>
+TILEDECODE_TARGET_AVX512 inline void cols_tile(double* s, index_t ld_s, const double* xr,
+                                               const bf16* w, index_t ld_w, index_t kk) {
+  __m512d acc[kTok][NV];
+#pragma GCC unroll 8
+  for (int t = 0; t < kTok; ++t)
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_loadu_pd(s + t * ld_s + 8 * v);
+  for (index_t k = 0; k < kk; ++k) {
+    __m512d wv[NV];
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) wv[v] = widen8(w + k * ld_w + 8 * v, 8);
+#pragma GCC unroll 8
+    for (int t = 0; t < kTok; ++t) {
+      const __m512d xb = _mm512_set1_pd(xr[t * kColsBlockK + k]);
+#pragma GCC unroll 3
+      for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_fmadd_pd(wv[v], xb, acc[t][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < kTok; ++t)
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) _mm512_storeu_pd(s + t * ld_s + 8 * v, acc[t][v]);
+}
+
+// The drivers' tier (cpu::exact_detail): 24-row tiles on 8 token lanes; 3 × 8 columns × 8 tokens.
+struct Tier {
+  static constexpr int kTileRows = 24, kColTok = 8, kLanes = 8, kTileVecs = 3;
+
+  // 8×8 transposes of the tokens' widened rows.
+  TILEDECODE_TARGET_AVX512 static void token_panel(double* xp, const bf16* x, index_t ld_x, int nt,
+                                                   index_t kk) {
+    for (index_t k = 0; k < kk; k += 8) {
+      const index_t n = std::min<index_t>(8, kk - k);
+      __m512d r[8];
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) r[t] = t < nt ? widen8(x + t * ld_x + k, n) : _mm512_setzero_pd();
+      __m512d u[8], v[8];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {  // pairs of tokens, interleaved by k
+        u[2 * i] = _mm512_maskz_unpacklo_pd(kAll, r[2 * i], r[2 * i + 1]);
+        u[2 * i + 1] = _mm512_maskz_unpackhi_pd(kAll, r[2 * i], r[2 * i + 1]);
+      }
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // tokens 4h..4h+3: 128-bit lanes gathered by k
+        v[4 * h + 0] = _mm512_maskz_shuffle_f64x2(kAll, u[4 * h], u[4 * h + 2], 0x88);  // k 0, 4
+        v[4 * h + 1] = _mm512_maskz_shuffle_f64x2(kAll, u[4 * h], u[4 * h + 2], 0xdd);  // k 2, 6
+        v[4 * h + 2] = _mm512_maskz_shuffle_f64x2(kAll, u[4 * h + 1], u[4 * h + 3], 0x88);  // 1, 5
+        v[4 * h + 3] = _mm512_maskz_shuffle_f64x2(kAll, u[4 * h + 1], u[4 * h + 3], 0xdd);  // 3, 7
+      }
+      const __m512d col[8] = {_mm512_maskz_shuffle_f64x2(kAll, v[0], v[4], 0x88),
+                              _mm512_maskz_shuffle_f64x2(kAll, v[2], v[6], 0x88),
+                              _mm512_maskz_shuffle_f64x2(kAll, v[1], v[5], 0x88),
+                              _mm512_maskz_shuffle_f64x2(kAll, v[3], v[7], 0x88),
+                              _mm512_maskz_shuffle_f64x2(kAll, v[0], v[4], 0xdd),
+                              _mm512_maskz_shuffle_f64x2(kAll, v[2], v[6], 0xdd),
+                              _mm512_maskz_shuffle_f64x2(kAll, v[1], v[5], 0xdd),
+                              _mm512_maskz_shuffle_f64x2(kAll, v[3], v[7], 0xdd)};
+      for (index_t j = 0; j < n; ++j) _mm512_store_pd(xp + (k + j) * kTok, col[j]);
+    }
+  }
+  TILEDECODE_TARGET_AVX512 static void widen_rows(double* wd, const bf16* w, index_t ld_w, int nr,
+                                                  index_t kk, index_t left) {
+    for (int r = 0; r < nr; ++r) {
+      for (index_t k = 0; k < kk; k += 8)
+        _mm512_store_pd(wd + r * kBlockK + k,
+                        widen8(w + r * ld_w + k, std::min<index_t>(8, kk - k)));
+      prefetch_next_block(w + r * ld_w, left);
+    }
+  }
+  TILEDECODE_TARGET_AVX512 static void tiles(int nr, Sums& s, index_t off, const double* wd,
+                                             const Panels& xp, int ng, index_t kk) {
+    with_static_count<kTileRows>(nr, [&]<int NR>() TILEDECODE_TARGET_AVX512 {
+      for (int g = 0; g < ng; ++g) rows_tile<NR>(s[g] + off, wd, xp[g], kk);
+    });
+  }
+  TILEDECODE_TARGET_AVX512 static void widen_x(double* xr, const bf16* x, index_t kk) {
+    for (index_t k = 0; k < kk; k += 8)
+      _mm512_store_pd(xr + k,
+                      x ? widen8(x + k, std::min<index_t>(8, kk - k)) : _mm512_setzero_pd());
+  }
+  TILEDECODE_TARGET_AVX512 static void col_tiles(index_t nv, double* s, index_t ld_s,
+                                                 const double* xr, const bf16* w, index_t ld_w,
+                                                 index_t kk) {
+    for (index_t v = 0; v < nv; v += kTileVecs)
+      with_static_count<kTileVecs>(int(std::min<index_t>(kTileVecs, nv - v)),
+                                   [&]<int NV>() TILEDECODE_TARGET_AVX512 {
+                                     cols_tile<NV>(s + 8 * v, ld_s, xr, w + 8 * v, ld_w, kk);
+                                   });
+  }
+};
+}  // namespace exact_detail
+
+// bf16_rows_dot_exact_scalar's results (the order at the top), the lanes on tokens.
+TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_exact(float* out, index_t ld_out, const bf16* x,
+                                                         index_t ld_x, index_t n_tok, const bf16* w,
+                                                         index_t ld_w, index_t n_rows, index_t d) {
+  cpu::exact_detail::rows_driver<exact_detail::Tier>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows,
+                                                     d);
+}
+
+// bf16_cols_dot_exact_scalar's results (the order at the top), the lanes on columns.
+TILEDECODE_TARGET_AVX512 inline void bf16_cols_dot_exact(float* out, index_t ld_out, const bf16* x,
+                                                         index_t ld_x, index_t n_tok, const bf16* w,
+                                                         index_t ld_w, index_t d, index_t n0,
+                                                         index_t n1) {
+  cpu::exact_detail::cols_driver<exact_detail::Tier>(out, ld_out, x, ld_x, n_tok, w, ld_w, d, n0,
+                                                     n1);
+}
+}  // namespace avx512
+
+namespace avx2 {
+namespace exact_detail {
+using namespace cpu::exact_detail;
+
+// The n <= 4 BF16 at p as 4 doubles (the rest +0).
+TILEDECODE_TARGET_AVX2 inline __m256d widen4(const bf16* p, index_t n) {
+  std::uint64_t bits = 0;
+  if (n >= 4)
+    __builtin_memcpy(&bits, p, 8);
+  else
+    __builtin_memcpy(&bits, p, std::size_t(n) * 2);
+  const __m128i v = _mm_cvtepu16_epi32(_mm_cvtsi64_si128(static_cast<long long>(bits)));
+  return _mm256_cvtps_pd(_mm_castsi128_ps(_mm_slli_epi32(v, 16)));
+}
+
+template <int NR>
+TILEDECODE_TARGET_AVX2 inline void rows_tile(double* s, const double* wd, const double* xp,
+                                             index_t kk) {
+  __m256d lo[NR], hi[NR];
+#pragma GCC unroll 6
+  for (int r = 0; r < NR; ++r) {
+    lo[r] = _mm256_load_pd(s + r * kTok);
+    hi[r] = _mm256_load_pd(s + r * kTok + 4);
+  }
+  for (index_t k = 0; k < kk; ++k) {
+    const __m256d x0 = _mm256_load_pd(xp + k * kTok), x1 = _mm256_load_pd(xp + k * kTok + 4);
+#pragma GCC unroll 6
+    for (int r = 0; r < NR; ++r) {
+      const __m256d wb = _mm256_broadcast_sd(wd + r * kBlockK + k);
+      lo[r] = _mm256_fmadd_pd(wb, x0, lo[r]);
+      hi[r] = _mm256_fmadd_pd(wb, x1, hi[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < NR; ++r) {
+    _mm256_store_pd(s + r * kTok, lo[r]);
+    _mm256_store_pd(s + r * kTok + 4, hi[r]);
+  }
+}
+
+template <int NV>
+TILEDECODE_TARGET_AVX2 inline void cols_tile(double* s, index_t ld_s, const double* xr,
+                                             const bf16* w, index_t ld_w, index_t kk) {
+  constexpr int TT = 4;
+  __m256d acc[TT][NV];
+#pragma GCC unroll 4
+  for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_loadu_pd(s + t * ld_s + 4 * v);
+  for (index_t k = 0; k < kk; ++k) {
+    __m256d wv[NV];
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) wv[v] = widen4(w + k * ld_w + 4 * v, 4);
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) {
+      const __m256d xb = _mm256_broadcast_sd(xr + t * kColsBlockK + k);
+#pragma GCC unroll 3
+      for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_fmadd_pd(wv[v], xb, acc[t][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < TT; ++t)
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) _mm256_storeu_pd(s + t * ld_s + 4 * v, acc[t][v]);
+}
+
+// The drivers' tier: 6-row tiles on 8 token lanes (two vectors); 3 × 4 columns × 4 tokens.
+struct Tier {
+  static constexpr int kTileRows = 6, kColTok = 4, kLanes = 4, kTileVecs = 3;
+
+  // 4×4 transposes of the tokens' widened rows, two per 8 tokens.
+  TILEDECODE_TARGET_AVX2 static void token_panel(double* xp, const bf16* x, index_t ld_x, int nt,
+                                                 index_t kk) {
+    for (index_t k = 0; k < kk; k += 4) {
+      const index_t n = std::min<index_t>(4, kk - k);
+      for (int h = 0; h < 2; ++h) {  // tokens 4h..4h+3
+        __m256d r[4];
+        for (int i = 0; i < 4; ++i) {
+          const int t = 4 * h + i;
+          r[i] = t < nt ? widen4(x + t * ld_x + k, n) : _mm256_setzero_pd();
+        }
+        const __m256d u0 = _mm256_unpacklo_pd(r[0], r[1]), u1 = _mm256_unpackhi_pd(r[0], r[1]);
+        const __m256d u2 = _mm256_unpacklo_pd(r[2], r[3]), u3 = _mm256_unpackhi_pd(r[2], r[3]);
+        const __m256d col[4] = {
+            _mm256_permute2f128_pd(u0, u2, 0x20), _mm256_permute2f128_pd(u1, u3, 0x20),
+            _mm256_permute2f128_pd(u0, u2, 0x31), _mm256_permute2f128_pd(u1, u3, 0x31)};
+        for (index_t j = 0; j < n; ++j) _mm256_store_pd(xp + (k + j) * kTok + 4 * h, col[j]);
+      }
+    }
+  }
+  TILEDECODE_TARGET_AVX2 static void widen_rows(double* wd, const bf16* w, index_t ld_w, int nr,
+                                                index_t kk, index_t left) {
+    for (int r = 0; r < nr; ++r) {
+      for (index_t k = 0; k < kk; k += 4)
+        _mm256_store_pd(wd + r * kBlockK + k,
+                        widen4(w + r * ld_w + k, std::min<index_t>(4, kk - k)));
+      prefetch_next_block(w + r * ld_w, left);
+    }
+  }
+  TILEDECODE_TARGET_AVX2 static void tiles(int nr, Sums& s, index_t off, const double* wd,
+                                           const Panels& xp, int ng, index_t kk) {
+    with_static_count<kTileRows>(nr, [&]<int NR>() TILEDECODE_TARGET_AVX2 {
+      for (int g = 0; g < ng; ++g) rows_tile<NR>(s[g] + off, wd, xp[g], kk);
+    });
+  }
+  TILEDECODE_TARGET_AVX2 static void widen_x(double* xr, const bf16* x, index_t kk) {
+    for (index_t k = 0; k < kk; k += 4)
+      _mm256_store_pd(xr + k,
+                      x ? widen4(x + k, std::min<index_t>(4, kk - k)) : _mm256_setzero_pd());
+  }
+  TILEDECODE_TARGET_AVX2 static void col_tiles(index_t nv, double* s, index_t ld_s,
+                                               const double* xr, const bf16* w, index_t ld_w,
+                                               index_t kk) {
+    for (index_t v = 0; v < nv; v += kTileVecs)
+      with_static_count<kTileVecs>(int(std::min<index_t>(kTileVecs, nv - v)),
+                                   [&]<int NV>() TILEDECODE_TARGET_AVX2 {
+                                     cols_tile<NV>(s + 4 * v, ld_s, xr, w + 4 * v, ld_w, kk);
+                                   });
+  }
+};
+}  // namespace exact_detail
+
+// bf16_rows_dot_exact_scalar's results (the order at the top), the lanes on tokens.
+TILEDECODE_TARGET_AVX2 inline void bf16_rows_dot_exact(float* out, index_t ld_out, const bf16* x,
+                                                       index_t ld_x, index_t n_tok, const bf16* w,
+                                                       index_t ld_w, index_t n_rows, index_t d) {
+  cpu::exact_detail::rows_driver<exact_detail::Tier>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows,
+                                                     d);
+}
+
+// bf16_cols_dot_exact_scalar's results (the order at the top), the lanes on columns.
+TILEDECODE_TARGET_AVX2 inline void bf16_cols_dot_exact(float* out, index_t ld_out, const bf16* x,
+                                                       index_t ld_x, index_t n_tok, const bf16* w,
+                                                       index_t ld_w, index_t d, index_t n0,
+                                                       index_t n1) {
+  cpu::exact_detail::cols_driver<exact_detail::Tier>(out, ld_out, x, ld_x, n_tok, w, ld_w, d, n0,
+                                                     n1);
+}
+}  // namespace avx2
+#endif  // TILEDECODE_X86
+
+// The one dispatch point: the tier's kernel (each gives bf16_rows_dot_exact_scalar's bits).
+inline void bf16_rows_dot_exact(Isa isa, float* out, index_t ld_out, const bf16* x, index_t ld_x,
+                                index_t n_tok, const bf16* w, index_t ld_w, index_t n_rows,
+                                index_t d) {
+#if TILEDECODE_X86
+  if (isa == Isa::avx512)
+    return avx512::bf16_rows_dot_exact(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d);
+  if (has_avx2(isa))
+    return avx2::bf16_rows_dot_exact(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d);
+#endif
+  (void)isa;
+  bf16_rows_dot_exact_scalar(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d);
+}
+
+inline void bf16_cols_dot_exact(Isa isa, float* out, index_t ld_out, const bf16* x, index_t ld_x,
+                                index_t n_tok, const bf16* w, index_t ld_w, index_t d, index_t n0,
+                                index_t n1) {
+#if TILEDECODE_X86
+  if (isa == Isa::avx512)
+    return avx512::bf16_cols_dot_exact(out, ld_out, x, ld_x, n_tok, w, ld_w, d, n0, n1);
+  if (has_avx2(isa))
+    return avx2::bf16_cols_dot_exact(out, ld_out, x, ld_x, n_tok, w, ld_w, d, n0, n1);
+#endif
+  (void)isa;
+  bf16_cols_dot_exact_scalar(out, ld_out, x, ld_x, n_tok, w, ld_w, d, n0, n1);
+}
+
+}  // namespace tiledecode::cpu
