@@ -381,7 +381,8 @@ TEST(QkvProjection, PackedAvx512MatmulExactOnExtremes) {
 // Bf16Dot::exact (backend/cpu/bf16_exact.hpp) on every tier this CPU has: x_n · [wq_a | wkv] are
 // golden's double sums rounded once, so q, kv and qr match golden (the rounding tests count the
 // values that differ: none at these sizes), and every tier, thread count and batch split gives the
-// scalar tier's bytes (T = 19: two 8-token groups of the kernels and a partial one).
+// scalar tier's bytes (T = 19: the column kernels' token groups, 8 on avx512 and 4 on avx2, and a
+// partial last one).
 TEST(QkvProjection, ExactDotsMatchGoldenOnEveryTier) {
   const QkvFixture f(td::flash_config(), 19, 41);
   QkvOut g(f.cfg, f.T);

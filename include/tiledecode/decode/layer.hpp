@@ -107,7 +107,8 @@ struct LayerWeightsStorage {
   // wq_a | wkv transposed for the avx512 tier's vdpbf16ps q/kv projection, filled by pack() where
   // the automatic BF16 choice resolves to dpbf16 (kernels::qkv_bf16_rows_useful: AMD with
   // AVX-512): a second copy ((Q_LORA + 512)·D BF16, flash 12.6 MB per layer), not counted in
-  // bytes(). A step pinned to Bf16Dot::fma ignores it (every tier's bits).
+  // bytes(). A step pinned to Bf16Dot::fma (every tier's bits) or Bf16Dot::exact (double sums from
+  // wq_a | wkv themselves) ignores it.
   QkvBf16Rows qkv_rows;
 
   LayerWeightsStorage() = default;

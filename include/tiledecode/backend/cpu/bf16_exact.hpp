@@ -6,7 +6,8 @@
 //
 // The order: out = float(s), s = Σ_{k<d} x[k] · w[k] in double, from +0, in ascending k: the
 // goldens' own loop (golden/compressor.hpp, qkv_projection.hpp, output_projection.hpp), so every
-// tier here gives golden's bits.
+// tier gives golden's sum rounded once: the bits of the compressors' and the o-proj's goldens,
+// which round it to FP32 too (the q/kv golden normalises its unrounded double sums).
 // Why that is the exact dot rounded once: x and w are BF16 (8 significant bits each), so each
 // product has at most 16 significant bits and is exact in double (53), and an FMA and a multiply
 // then add give the same bits. Each double addition is off by at most 2^-53 of its running sum,
@@ -19,8 +20,8 @@
 // subnormals are exact in double. NaN and ±Inf follow IEEE through the same additions (NaN
 // payloads are not pinned across tiers).
 //
-// The cost is the arithmetic: one double FMA (8 lanes on AVX-512, 4 on AVX2) per product against
-// 32 per vdpbf16ps and 16 per FP32 FMA; docs/compressors.md gives the measured slowdown.
+// The cost is the arithmetic: one double FMA per 8 products on AVX-512 (4 on AVX2) against 32 per
+// vdpbf16ps and 16 per FP32 FMA; docs/compressors.md gives the measured slowdown.
 //
 // Arrangements (the order above is per output; only the lanes differ):
 //   rows  w[r·ld_w + k] (a weight row per output; the compressors, wo_a): the lanes on 8 tokens.

@@ -196,8 +196,9 @@ inline std::vector<Isa> supported_isas() {
 // Other tiers have no vdpbf16ps and ignore fma / dpbf16.
 //   exact      on every tier (issue 17): those dots, the q/kv projection's x_n · [wq_a | wkv]
 //              and the o-proj's wo_a summed in double in ascending k (bf16_exact.hpp), so each
-//              FP32 result is the exact dot rounded once (golden's bits) and every BF16 / INT8
-//              rounding downstream rounds as the exact value does (tests/test_rounding.cpp).
+//              FP32 result is the exact dot rounded once (for the compressors and wo_a, golden's
+//              bits) and every BF16 / INT8 rounding downstream rounds as the exact value does
+//              (tests/test_rounding.cpp).
 //              One double FMA per product: at decode batch sizes 1.4-2.5x the time of the
 //              projections' default (docs/compressors.md, "Exact dots"), for engines that check
 //              their outputs against the reference to the last bit.

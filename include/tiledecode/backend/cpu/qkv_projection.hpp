@@ -25,7 +25,8 @@
 // producer and a fixed order: results do not depend on the thread count or on T (batch
 // invariance), and the scalar, AVX2, AVX-VNNI and AVX-512 paths give identical results. The
 // exceptions, by the caller's choice: Bf16Dot::exact (every tier) sums x_n · [wq_a | wkv] in
-// double in ascending k (bf16_exact.hpp: the exact dots rounded once, golden's bits); and
+// double in ascending k (bf16_exact.hpp: golden's double sums rounded once to FP32 cq / kvf; golden
+// normalises the unrounded sums); and
 // Isa::avx512 with Bf16Dot::dpbf16 (automatic on AMD) and the
 // transposed copy QkvWeights::bf16_rows runs x_n · [wq_a | wkv] on the vdpbf16ps row kernels
 // (bf16_rows_avx512.hpp), another summation order held to golden and to the rounding bars, still
@@ -306,7 +307,7 @@ struct backend_ops_qkv_projection {
       const index_t n0 = (is_q ? task : task - q_tiles) * kTile;
       const ConstView<bf16, 2>& wm = is_q ? a.w.wq_a : a.w.wkv;
       const View<float, 2> dst = is_q ? s.cq : s.kvf;
-      if (exact) {  // double sums in ascending k from the BF16 x_n: golden's bits
+      if (exact) {  // golden's double sums in ascending k from the BF16 x_n, rounded once
         bf16_cols_dot_exact(I, dst.data(), dst.stride(0), a.x_n.data(), a.x_n.stride(0), T,
                             wm.data(), wm.stride(0), D, n0, n0 + kTile);
         return;
