@@ -111,8 +111,8 @@ using Sums = double[kGroups][kChunkRows * kTok];
 //   token_panel(xp, x, ld_x, nt, kk)    xp[k][t] = x[t·ld_x + k] as double (t >= nt: +0)
 //   widen_rows(wd, w, ld_w, nr, kk, left)   wd[r][k] = w[r·ld_w + k] as double, r < nr, and
 //                                       each row's next block prefetched (left: k to its end)
-//   tiles(nr, s, off, wd, xp, ng, kk)   s[g][off + r·8 + t] += Σ_k wd[r][k] · xp[g][k][t],
-//   ascending
+//   tiles(nr, s, off, wd, xp, ng, kk)   s[g][off + r·8 + t] += Σ_k wd[r][k] · xp[g][k][t]
+//                                       in ascending k, for each of the pass's ng panels
 // Per chunk of rows and pass of up to kGroups panels, each block of a tile's rows is widened once.
 // Always inlined into the tier's entry point, which compiles it (and Tier's functions) for the
 // tier's target.
