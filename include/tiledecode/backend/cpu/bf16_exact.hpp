@@ -97,8 +97,9 @@ inline constexpr index_t kChunkCols = 96;    // cols: columns whose double sums 
 
 // The row's next block of weights (wr: this block, left: k from it to the row's end) into L1
 // while this one runs: a chunk's rows are read a block at a time, more streams than the hardware
-// prefetchers follow.
-inline void prefetch_next_block(const bf16* wr, index_t left) {
+// prefetchers follow. Always inlined: called out of line, GCC 12 deems a function of prefetches
+// alone side-effect free and drops the call (seen when a generic driver called it).
+__attribute__((always_inline)) inline void prefetch_next_block(const bf16* wr, index_t left) {
   const index_t n = std::min(kBlockK, left - kBlockK);
   for (index_t k = 0; k < n; k += 32)
     _mm_prefetch(reinterpret_cast<const char*>(wr + kBlockK + k), _MM_HINT_T0);
