@@ -150,12 +150,15 @@ struct OprojProblem {
   td::Tensor<bf16, 3> wo_a;
   td::Tensor<std::int8_t, 2> wo_b;
   td::Tensor<float, 1> scale;
+  td::Tensor<float, 2> norm;  // wo_a's row norms: the rounding check, as the decode step runs it
   td::Tensor<bf16, 2> o, out;
   OprojProblem(const td::ModelConfig& c, index_t t) : cfg(c), T(t) {
     tdtest::Rng rng(3);
     wo_a = td::Tensor<bf16, 3>({cfg.o_groups, cfg.o_lora, cfg.o_group_in()});
-    for (std::size_t i = 0; i < wo_a.size(); ++i)
-      wo_a.data()[i] = bf16(float(int(i % 61) - 30) * 1e-3f);
+    // Normal, std 0.02 (decode/synthetic.hpp's wo_a): rows with distinct norms and no ties, as
+    // the rounding check (wo_a_norm) sees them in a model.
+    rng.fill_normal(wo_a.flat(), 0.02f);
+    norm = td::kernels::output_projection_row_norms(wo_a.view());
     wo_b = td::Tensor<std::int8_t, 2>({cfg.hidden, index_t(cfg.o_groups) * cfg.o_lora});
     for (std::size_t i = 0; i < wo_b.size(); ++i)
       wo_b.data()[i] = std::int8_t(int(i * 7 % 255) - 127);
@@ -168,7 +171,7 @@ struct OprojProblem {
 };
 
 void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int seq, int threads,
-              td::cpu::Isa isa, td::cpu::Bf16Dot bf16_dot) {
+              td::cpu::Isa isa, td::cpu::Bf16Dot bf16_dot, bool checked) {
   if (!td::cpu::cpu_supports(isa)) {
     state.SkipWithError("ISA not supported by this CPU");
     return;
@@ -186,7 +189,8 @@ void bm_oproj(benchmark::State& state, td::ModelConfig cfg, int batch, int seq, 
     const double c0 = process_cpu_seconds();
     const auto t0 = tdbench::clock_type::now();
     td::kernels::output_projection(ctx, cfg, p.out.view(), p.o.view(), p.wo_a.view(), p.wo_b.view(),
-                                   p.scale.view(), ws);
+                                   p.scale.view(), ws,
+                                   checked ? p.norm.view() : td::ConstView<float, 2>{});
     secs += std::chrono::duration<double>(tdbench::clock_type::now() - t0).count();
     cpu += process_cpu_seconds() - c0;
     benchmark::DoNotOptimize(p.out.data());
@@ -279,7 +283,17 @@ const int kRegistered = [] {
       const std::string name = "oproj_flash/B:" + std::to_string(batch) +
                                "/S:" + std::to_string(seq) + "/threads:" + std::to_string(threads);
       benchmark::RegisterBenchmark(name.c_str(), bm_oproj, td::flash_config(), batch, seq, threads,
-                                   td::cpu::detect_isa(), td::cpu::Bf16Dot::automatic)
+                                   td::cpu::detect_isa(), td::cpu::Bf16Dot::automatic, true)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+      // The same without wo_a_norm (no rounding check): the check's cost, interleaved.
+      if (seq == 8) continue;
+      const std::string unchecked = "oproj_flash_unchecked/B:" + std::to_string(batch) +
+                                    "/S:" + std::to_string(seq) +
+                                    "/threads:" + std::to_string(threads);
+      benchmark::RegisterBenchmark(unchecked.c_str(), bm_oproj, td::flash_config(), batch, seq,
+                                   threads, td::cpu::detect_isa(), td::cpu::Bf16Dot::automatic,
+                                   false)
           ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
@@ -287,17 +301,17 @@ const int kRegistered = [] {
   for (int threads : {1, 2}) {
     const std::string name = "oproj_flash_exact/B:4/S:2/threads:" + std::to_string(threads);
     benchmark::RegisterBenchmark(name.c_str(), bm_oproj, td::flash_config(), 4, 2, threads,
-                                 td::cpu::detect_isa(), td::cpu::Bf16Dot::exact)
+                                 td::cpu::detect_isa(), td::cpu::Bf16Dot::exact, false)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }
   benchmark::RegisterBenchmark("oproj_pro/B:4/S:2/threads:1", bm_oproj, td::pro_config(), 4, 2, 1,
-                               td::cpu::detect_isa(), td::cpu::Bf16Dot::automatic)
+                               td::cpu::detect_isa(), td::cpu::Bf16Dot::automatic, true)
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
   if (td::cpu::has_vnni(td::cpu::detect_isa())) {
     benchmark::RegisterBenchmark("oproj_flash_avx2/B:4/S:2/threads:1", bm_oproj, td::flash_config(),
-                                 4, 2, 1, td::cpu::Isa::avx2, td::cpu::Bf16Dot::automatic)
+                                 4, 2, 1, td::cpu::Isa::avx2, td::cpu::Bf16Dot::automatic, true)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
   }

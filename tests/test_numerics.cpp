@@ -227,6 +227,57 @@ TEST(ExactDots, EveryTierAndShapeIsTheSequentialDoubleSum) {
   EXPECT_EQ(cases, shapes * int(tiers().size()));
 }
 
+// The o-proj's rounding repairs (bf16_pair_dots_exact): n <= kPairDots independent pairs, each
+// bf16_dot_exact's sequential double sum, bit for bit, on every tier this CPU has: n around the
+// two 8-pair vectors of the avx512 kernel (1, 7, 8, 9, 16), d around its 8-k blocks and the
+// 64-k blocks of the other tiers (1, 7, 8, 9, 63, 64, 65, 513, 4096), the planted order-sensitive
+// products of the test above in every other case, zeros, subnormals, ±Inf and NaN in the others.
+TEST(ExactDots, PairDotsAreTheSequentialDoubleSumOnEveryTier) {
+  Mix m{83};
+  int cases = 0;
+  for (int n : {1, 7, 8, 9, 16})
+    for (index_t d : {1, 7, 8, 9, 63, 64, 65, 513, 4096}) {
+      std::vector<bf16> x(std::size_t(n * (d + 3))), w(std::size_t(n * (d + 5)));
+      fill_bf16(x, m.next(), -2.0f, 2.0f);
+      fill_bf16(w, m.next(), -0.1f, 0.1f);
+      std::vector<const bf16*> xp(static_cast<std::size_t>(n)), wp(static_cast<std::size_t>(n));
+      for (int j = 0; j < n; ++j) {  // rows at odd offsets (any alignment of 2)
+        xp[std::size_t(j)] = x.data() + j * (d + 3);
+        wp[std::size_t(j)] = w.data() + j * (d + 5);
+      }
+      if (d >= 3 && cases % 2 == 1) {
+        const float big = 1073741824.0f;  // 2^30: products 1, 2^60, -2^60 (sequential sum 0)
+        for (int j = 0; j < n; ++j) {
+          bf16* xj = x.data() + j * (d + 3);
+          bf16* wj = w.data() + j * (d + 5);
+          xj[0] = wj[0] = bf16(1.0f);
+          xj[d / 2] = wj[d / 2] = xj[d - 1] = bf16(big);
+          wj[d - 1] = bf16(-big);
+        }
+      } else {
+        for (int i = 0; i < 6; ++i) {
+          const std::uint16_t bits[] = {0x0000, 0x0001, 0x8040, 0x7f80, 0xff80, 0x7fc1};
+          x[std::size_t(m.next() % x.size())].bits = bits[i];
+          w[std::size_t(m.next() % w.size())].bits = bits[(i + 3) % 6];
+        }
+      }
+      for (Isa isa : tiers()) {
+        std::vector<double> s(static_cast<std::size_t>(n), -1.0);
+        td::cpu::bf16_pair_dots_exact(isa, n, xp.data(), wp.data(), d, s.data());
+        long bad = 0;
+        for (int j = 0; j < n; ++j) {
+          const double e = td::cpu::bf16_dot_exact(xp[std::size_t(j)], wp[std::size_t(j)], d);
+          const double a = s[std::size_t(j)];
+          bad += std::isnan(e) ? !std::isnan(a)
+                               : std::bit_cast<std::uint64_t>(a) != std::bit_cast<std::uint64_t>(e);
+        }
+        EXPECT_EQ(bad, 0) << name(isa) << " n " << n << " d " << d;
+      }
+      ++cases;
+    }
+  EXPECT_EQ(cases, 45);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Q8 (core/quant.hpp, cpu::quantize_q8_row): every caller's quantiser.
 

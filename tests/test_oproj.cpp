@@ -6,7 +6,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "common/compare.hpp"
@@ -64,13 +66,31 @@ td::Tensor<bf16, 2> random_o(const td::ModelConfig& cfg, index_t T, std::uint64_
 
 td::Tensor<bf16, 2> run_kernel(const Weights& w, const td::Tensor<bf16, 2>& o, index_t T,
                                td::cpu::Isa isa, td::Executor* exec = nullptr,
-                               td::cpu::Bf16Dot bf16_dot = td::cpu::Bf16Dot::automatic) {
+                               td::cpu::Bf16Dot bf16_dot = td::cpu::Bf16Dot::automatic,
+                               td::ConstView<float, 2> wo_a_norm = {}) {
   td::Tensor<bf16, 2> out({T, w.cfg.hidden});
   std::vector<std::byte> ws(td::kernels::output_projection_workspace_bytes(w.cfg, T));
   td::kernels::output_projection(td::cpu::Context{exec, td::cpu::checked_isa(isa), bf16_dot}, w.cfg,
                                  out.view(), o.view(), w.wo_a.view(), w.wo_b.view(), w.scale.view(),
-                                 ws);
+                                 ws, wo_a_norm);
   return out;
+}
+
+// With the rounding check (wo_a's row norms).
+td::Tensor<bf16, 2> run_checked(const Weights& w, const td::Tensor<bf16, 2>& o, index_t T,
+                                td::cpu::Isa isa, td::Executor* exec = nullptr) {
+  const auto norm = td::kernels::output_projection_row_norms(w.wo_a.view());
+  return run_kernel(w, o, T, isa, exec, td::cpu::Bf16Dot::automatic, norm.view());
+}
+
+// Bytes equal, any two NaNs equal (payload and sign unspecified).
+long bytes_differ(const td::Tensor<bf16, 2>& a, const td::Tensor<bf16, 2>& b) {
+  long n = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const bf16 x = a.data()[i], y = b.data()[i];
+    n += !(x.bits == y.bits || (std::isnan(x.to_float()) && std::isnan(y.to_float())));
+  }
+  return n;
 }
 
 td::Tensor<bf16, 2> run_golden(const Weights& w, const td::Tensor<bf16, 2>& o, index_t T) {
@@ -274,6 +294,153 @@ TEST(Oproj, ProPresetT1) {
     EXPECT_TRUE(
         tdtest::ratio_allclose(floats(run_kernel(w, o, 1, isa)), floats(g), 1e-4, 1.0 / 128, 0.005))
         << td::cpu::to_string(isa);
+}
+
+// The rounding check (wo_a_norm; backend/cpu/output_projection.hpp, "Rounding check"): the
+// default dots' o_r whose Q8 rounding their FP32 error could change are recomputed as golden
+// computes them, so the output is golden's bytes, on every tier and thread count, at T = 1, 13,
+// 21 and 70 (a partial 8-token check task; the avx512 tier's blocked kernels from 16 tokens);
+// without the check the same data flip Q8 activations on every tier (so the test can fail).
+TEST(Oproj, RoundingCheckGivesGoldensBytesOnEveryTier) {
+  const auto& w = flash_weights();
+  std::vector<long> unchecked(isas().size(), 0);
+  for (index_t T : {1, 13, 21, 70}) {
+    const auto o = random_o(w.cfg, T, 90 + T);
+    const auto g = run_golden(w, o, T);
+    for (std::size_t i = 0; i < isas().size(); ++i) {
+      const auto isa = isas()[i];
+      unchecked[i] += bytes_differ(run_kernel(w, o, T, isa), g);
+      for (std::size_t n : {1, 2, 7}) {
+        td::ThreadPool pool(n);
+        EXPECT_EQ(bytes_differ(run_checked(w, o, T, isa, &pool), g), 0)
+            << "T=" << T << " threads=" << n << " " << td::cpu::to_string(isa);
+      }
+    }
+  }
+  for (std::size_t i = 0; i < isas().size(); ++i)
+    EXPECT_GT(unchecked[i], 0) << td::cpu::to_string(isas()[i]);
+}
+
+// A row with a NaN or an Inf in o_packed is not checked (Q8's non-finite policy, core/quant.hpp,
+// applies to it as without the check): that token's outputs are golden's NaN / Inf classes, and
+// every other token's are golden's bytes.
+TEST(Oproj, RoundingCheckLeavesNonFiniteRowsToTheQ8Policy) {
+  const auto& w = flash_weights();
+  const index_t T = 9, K = w.cfg.o_group_in();
+  auto o = random_o(w.cfg, T, 120);
+  o.view()(2 * T + 1, 17) = bf16(std::numeric_limits<float>::quiet_NaN());    // token 1, group 2
+  o.view()(5 * T + 4, K - 1) = bf16(std::numeric_limits<float>::infinity());  // token 4, group 5
+  const auto g = run_golden(w, o, T);
+  for (auto isa : isas())
+    EXPECT_EQ(bytes_differ(run_checked(w, o, T, isa), g), 0) << td::cpu::to_string(isa);
+}
+
+// Ties: every row of group 0 the same, so each (token, group 0) row has O_LORA candidates for its
+// amax, more than a task lists (kMaxRepairs). The check then repairs what it listed and leaves the
+// rest: the output stays within the spec's tolerance of golden (not its bytes).
+TEST(Oproj, RoundingCheckWithAFullListStaysWithinTolerance) {
+  static Weights w(td::flash_config(), 1);
+  const index_t R = w.cfg.o_lora, K = w.cfg.o_group_in();
+  for (index_t r = 1; r < R; ++r)
+    std::memcpy(&w.wo_a.view()(0, r, 0), &w.wo_a.view()(0, 0, 0), std::size_t(K) * sizeof(bf16));
+  const index_t T = 8;
+  const auto o = random_o(w.cfg, T, 130);
+  const auto g = run_golden(w, o, T);
+  for (auto isa : isas())
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(run_checked(w, o, T, isa)), floats(g), 1e-4,
+                                       1.0 / 128, 0.005))
+        << td::cpu::to_string(isa);
+}
+
+// The check's window on one row (oproj_check::check_row, every tier): x's largest |x| = 1 and
+// row norms 1000 make the FP32 error bound a · |w| = 16 · 2^-24 · 1000 = 9.5e-4 (1.2e-3 Q8 steps
+// at sq = 127 / 100), well above the window's other terms (2.8e-4 steps). Listed: a value whose
+// scaled interval holds a midpoint (v = 10.5 + 6e-4) and a value that can be the largest after
+// repair (100 - 4.7e-4); not listed: v = 10.5 + 3e-3, 100 - 0.01, and values near integers
+// (v = i + 0.02). With κ = 0 the first two are missed: the bound's term is what this test pins.
+// A row with a NaN in o, or an Inf in x, is not checked; an all-zero row lists nothing (its Q8
+// scale is the floor's, whatever the repairs).
+TEST(Oproj, RoundingCheckListsTheValuesItsWindowCannotDecide) {
+  namespace oc = td::cpu::oproj_check;
+  constexpr index_t R = 64, K = 8;
+  const float sq = 127.0f / 100.0f, aw = 16.0f * 0x1p-24f * 1000.0f;
+  std::vector<bf16> x(K, bf16(0.5f));
+  x[3] = bf16(-1.0f);
+  std::vector<float> nrm(R, 1000.0f), o(R);
+  for (index_t r = 0; r < R; ++r) o[std::size_t(r)] = (float(r % 40) + 0.02f) / sq;
+  o[0] = 100.0f;
+  o[5] = 100.0f - 0.5f * aw;     // listed: may be the largest after repair
+  o[6] = 100.0f - 0.01f;         // not listed
+  o[9] = (10.5f + 6e-4f) / sq;   // listed: its interval holds the midpoint 10.5
+  o[12] = (10.5f + 3e-3f) / sq;  // not listed
+  for (auto isa : isas()) {
+    SCOPED_TRACE(td::cpu::to_string(isa));
+    oc::Repairs rep;
+    oc::check_row(isa, x.data(), K, o.data(), nrm.data(), R, 1000.0f, 3, rep);
+    std::vector<index_t> listed;
+    for (int i = 0; i < rep.n; ++i) {
+      EXPECT_EQ(rep.t[i], 3);
+      listed.push_back(rep.r[i]);
+    }
+    EXPECT_EQ(listed, (std::vector<index_t>{0, 5, 9}));
+    auto nan_o = o;
+    nan_o[40] = std::numeric_limits<float>::quiet_NaN();
+    oc::Repairs none;
+    oc::check_row(isa, x.data(), K, nan_o.data(), nrm.data(), R, 1000.0f, 0, none);
+    auto inf_x = x;
+    inf_x[K - 1] = bf16(std::numeric_limits<float>::infinity());
+    oc::check_row(isa, inf_x.data(), K, o.data(), nrm.data(), R, 1000.0f, 0, none);
+    const std::vector<bf16> zero_x(K, bf16(0.0f));  // an all-zero row: nothing to decide
+    const std::vector<float> zero_o(R, 0.0f);
+    oc::check_row(isa, zero_x.data(), K, zero_o.data(), nrm.data(), R, 1000.0f, 0, none);
+    EXPECT_EQ(none.n, 0);
+  }
+}
+
+// wo_a_norm is validated before anything is written: shape (O_GROUPS, O_LORA), every value finite
+// and >= 0; a bad one throws naming it and leaves the output as it was.
+TEST(Oproj, RoundingCheckRejectsBadNorms) {
+  const auto& w = flash_weights();
+  const index_t T = 2, G = w.cfg.o_groups, R = w.cfg.o_lora;
+  const auto o = random_o(w.cfg, T, 140);
+  std::vector<std::byte> ws(td::kernels::output_projection_workspace_bytes(w.cfg, T));
+  const auto good = td::kernels::output_projection_row_norms(w.wo_a.view());
+  const auto expect_rejected = [&](td::ConstView<float, 2> norm, const char* what) {
+    td::Tensor<bf16, 2> out({T, w.cfg.hidden});
+    for (std::size_t i = 0; i < out.size(); ++i) out.data()[i].bits = std::uint16_t(0x1234 + i);
+    const td::Tensor<bf16, 2> before = out;
+    try {
+      td::kernels::output_projection(td::cpu::Context{}, w.cfg, out.view(), o.view(), w.wo_a.view(),
+                                     w.wo_b.view(), w.scale.view(), ws, norm);
+      ADD_FAILURE() << what << ": no throw";
+    } catch (const td::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("wo_a_norm"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(0, std::memcmp(out.data(), before.data(), out.size() * sizeof(bf16))) << what;
+  };
+  td::Tensor<float, 2> shape({G, R + 1});
+  expect_rejected(shape.view(), "shape");
+  for (float bad :
+       {std::numeric_limits<float>::quiet_NaN(), -1.0f, std::numeric_limits<float>::infinity()}) {
+    td::Tensor<float, 2> n = good;
+    n.view()(G - 1, 7) = bad;
+    expect_rejected(n.view(), "value");
+  }
+}
+
+// The norms bound the rows' Euclidean norms from above, within a few FP32 ulps.
+TEST(Oproj, RowNormsBoundTheNormsFromAbove) {
+  const auto& w = flash_weights();
+  const auto n = td::kernels::output_projection_row_norms(w.wo_a.view());
+  const index_t G = w.cfg.o_groups, R = w.cfg.o_lora, K = w.cfg.o_group_in();
+  for (index_t g = 0; g < G; g += 3)
+    for (index_t r = 0; r < R; r += 37) {
+      double s = 0;
+      for (index_t k = 0; k < K; ++k) s += std::pow(double(w.wo_a.view()(g, r, k).to_float()), 2);
+      const double e = std::sqrt(s), b = n.view()(g, r);
+      EXPECT_GE(b, e);
+      EXPECT_LE(b, e * (1.0 + 4.0 * 0x1p-24));
+    }
 }
 
 TEST(Oproj, RejectsBadShapesAndSmallWorkspace) {

@@ -32,6 +32,11 @@
 //     expected 0.35 and 0.2 here. The data are seeded, so the counts do not move unless the code
 //     or the fixture does. The default paths (FP32 accumulation) keep the bars above; the cost of
 //     exact is in docs/compressors.md ("Exact dots").
+//   * The o-proj's rounding check (default dots given wo_a_norm, as the decode step runs them;
+//     backend/cpu/oproj_check.hpp): attn_out 0 / 32768 (T = 8) and 0 / 98304 (T = 24) differ from
+//     golden on every tier, where the same dots without it give 604–606 and 3–6. Bar 0: the check
+//     recomputes as golden does every value whose interval (κ = 16 times the largest error
+//     measured, 1.9 · 2^-24 · max|x| · |w_r|) could hold a Q8 decision.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -290,6 +295,9 @@ TEST(rounding, QkvProjectionQLatentAndKvRoundAsTheExactValues) {
 // double sums in ascending g) must give golden's bytes. The default paths are not asserted here:
 // their rate is one flip's reach (measured, Zen 5: 0 or 660 of 32768 at T = 8 depending on
 // whether an activation flips; the Q8 rate itself is Bf16RowDot's, above).
+// The o-proj at flash shapes (wo_a std 0.02, o_packed N(0, 1)), T = 8 and 24, against golden's
+// bytes: the default dots without the rounding check (reported; they must flip, so the zeros
+// can fail), with it (wo_a_norm: 0), and Bf16Dot::exact (0).
 TEST(rounding, OprojOutputRoundsAsTheExactOutput) {
   const td::ModelConfig c = td::flash_config();
   const index_t G = c.o_groups, R = c.o_lora, K = c.o_group_in(), N = c.hidden;
@@ -302,26 +310,38 @@ TEST(rounding, OprojOutputRoundsAsTheExactOutput) {
   tdtest::Rng rng(31);
   for (auto& v : wo_b.flat()) v = std::int8_t(int(rng.uniform() * 255.0f) - 127);
   for (auto& v : scale.flat()) v = 1e-3f * (0.5f + rng.uniform());
-  for (index_t T : {8, 24}) {
-    td::Tensor<bf16, 2> o({G * T, K}), g({T, N});
-    sy::fill_normal(host, o.flat(), sy::tensor_key(31, T, 3), 0.0f, 1.0f);
-    td::golden::output_projection(c, g.view(), o.view(), wo_a.view(), wo_b.view(), scale.view());
-    std::vector<std::byte> ws(td::kernels::output_projection_workspace_bytes(c, T));
-    for (Isa isa : td::cpu::supported_isas())
-      for (auto b : {td::cpu::Bf16Dot::automatic, td::cpu::Bf16Dot::exact}) {
+  const td::Tensor<float, 2> norm = td::kernels::output_projection_row_norms(wo_a.view());
+  enum class Path { unchecked, checked, exact };
+  for (Isa isa : td::cpu::supported_isas()) {
+    long unchecked_diff = 0;
+    for (index_t T : {8, 24}) {
+      td::Tensor<bf16, 2> o({G * T, K}), g({T, N});
+      sy::fill_normal(host, o.flat(), sy::tensor_key(31, T, 3), 0.0f, 1.0f);
+      td::golden::output_projection(c, g.view(), o.view(), wo_a.view(), wo_b.view(), scale.view());
+      std::vector<std::byte> ws(td::kernels::output_projection_workspace_bytes(c, T));
+      for (Path p : {Path::unchecked, Path::checked, Path::exact}) {
+        const auto b = p == Path::exact ? td::cpu::Bf16Dot::exact : td::cpu::Bf16Dot::automatic;
         const std::string tier =
-            std::string(td::cpu::to_string(isa)) + (b == td::cpu::Bf16Dot::exact ? "/exact" : "");
+            std::string(td::cpu::to_string(isa)) + (p == Path::exact       ? "/exact"
+                                                    : p == Path::unchecked ? "/no norms"
+                                                                           : "");
         SCOPED_TRACE(tier + " T " + std::to_string(T));
         td::Tensor<bf16, 2> out({T, N});
-        td::kernels::output_projection(td::cpu::Context{nullptr, isa, b}, c, out.view(), o.view(),
-                                       wo_a.view(), wo_b.view(), scale.view(), ws);
+        td::kernels::output_projection(
+            td::cpu::Context{nullptr, isa, b}, c, out.view(), o.view(), wo_a.view(), wo_b.view(),
+            scale.view(), ws, p == Path::unchecked ? td::ConstView<float, 2>{} : norm.view());
         Rate r;
         for (std::size_t i = 0; i < out.size(); ++i) r.add(out.data()[i].bits != g.data()[i].bits);
         report(T == 8 ? "attn_out BF16, T = 8" : "attn_out BF16, T = 24", tier, r);
-        if (b == td::cpu::Bf16Dot::exact) {
+        if (p == Path::unchecked) {
+          unchecked_diff += r.diff;
+        } else {
           EXPECT_EQ(r.diff, 0);
         }
       }
+    }
+    // Without the check the FP32 sums flip Q8 activations here (so the zeros above can fail).
+    EXPECT_GT(unchecked_diff, 0) << td::cpu::to_string(isa);
   }
 }
 

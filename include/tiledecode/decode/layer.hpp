@@ -23,6 +23,7 @@
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/config.hpp"
 #include "tiledecode/core/view.hpp"
+#include "tiledecode/kernels/output_projection.hpp"
 #include "tiledecode/paged/step_metadata.hpp"
 
 namespace tiledecode::decode {
@@ -62,6 +63,7 @@ struct LayerWeights {
   ConstView<bf16, 3> wo_a;                // (O_GROUPS, O_LORA, O_GROUP_IN)
   ConstView<std::int8_t, 2> wo_b;         // (D, O_GROUPS*O_LORA)
   ConstView<float, 1> wo_b_scale;         // (D)
+  ConstView<float, 2> wo_a_norm;          // (O_GROUPS, O_LORA) optional: the o-proj's check
   kernels::CompressorWeights compressor;  // CSA main / HCA compressor
   IndexerWeights indexer;                 // CSA only
 };
@@ -110,6 +112,10 @@ struct LayerWeightsStorage {
   // bytes(). A step pinned to Bf16Dot::fma (every tier's bits) or Bf16Dot::exact (double sums from
   // wq_a | wkv themselves) ignores it.
   QkvBf16Rows qkv_rows;
+  // Per wo_a row an upper bound of its norm (kernels::output_projection_row_norms), filled by
+  // pack(): the scale of the CPU o-proj's rounding check, which makes the default BF16 dots give
+  // golden's Q8 activations (O_GROUPS·O_LORA floats, not counted in bytes()).
+  Tensor<float, 2> wo_a_norm;
 
   LayerWeightsStorage() = default;
   LayerWeightsStorage(const ModelConfig& cfg, LayerKind k) : kind(k) {
@@ -165,6 +171,7 @@ struct LayerWeightsStorage {
     w.wo_a = wo_a.view();
     w.wo_b = wo_b.view();
     w.wo_b_scale = wo_b_scale.view();
+    if (wo_a_norm.size() > 0) w.wo_a_norm = wo_a_norm.view();
     w.compressor = {cmp_wkv.view(), cmp_wgate.view(), cmp_ape.view(), cmp_norm_w.view()};
     w.indexer = {idx_wq_b.view(),
                  idx_wq_b_scale.view(),
@@ -177,8 +184,10 @@ struct LayerWeightsStorage {
 
   // Load-time preparation after the weights are filled: packs wq_b for the VNNI q/kv projection
   // (only where the CPU has AVX-VNNI or AVX-512), transposes wq_a | wkv for the vdpbf16ps one
-  // (only where that is the automatic choice) and packs the indexer query weights (CSA).
+  // (only where that is the automatic choice), bounds wo_a's row norms (the o-proj's rounding
+  // check) and packs the indexer query weights (CSA).
   void pack(const ModelConfig& cfg) {
+    wo_a_norm = kernels::output_projection_row_norms(wo_a.view());
     if (cpu::cpu_supports(cpu::Isa::avx2_vnni) || cpu::cpu_supports(cpu::Isa::avx512))
       wq_b_packed = kernels::pack_qkv_wq_b(cfg, wq_b.view());
     if (kernels::qkv_bf16_rows_useful())

@@ -356,7 +356,7 @@ inline void plan_layer(LayerPlan& p, std::string_view where, const Backend& be,
       k == LayerKind::swa ? ConstView<std::int32_t, 2>() : md.table(cmp_table), pos,
       md.kv_seq_lens(), sh.seq, w.attn_sink, rope,
       k == LayerKind::swa ? 0 : md.rows_per_page(cmp_table));
-  p.o_proj = {&cfg, v.attn_out, v.o_packed, w.wo_a, w.wo_b, w.wo_b_scale};
+  p.o_proj = {&cfg, v.attn_out, v.o_packed, w.wo_a, w.wo_b, w.wo_b_scale, w.wo_a_norm};
   p.hc_post = {&cfg, x_out, v.attn_out, x_hc, v.post, v.comb};
 }
 

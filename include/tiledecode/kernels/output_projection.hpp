@@ -16,8 +16,10 @@
 // NaN policy: inputs are not scanned; a NaN in o_r makes Q8 of that (token, group) unspecified
 // (core/quant.hpp), so the corresponding outputs are unspecified but finite-typed.
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 
@@ -41,6 +43,10 @@ struct OutputProjectionArgs {
   ConstView<bf16, 3> wo_a;         // (O_GROUPS, O_LORA, O_GROUP_IN)
   ConstView<std::int8_t, 2> wo_b;  // (D, O_GROUPS*O_LORA)
   ConstView<float, 1> wo_b_scale;  // (D)
+  // Optional (empty: none): per wo_a row an upper bound of its Euclidean norm
+  // (output_projection_row_norms), the scale of the CPU backend's rounding check (its quantize
+  // stage repairs the o_r values whose Q8 rounding the FP32 sums cannot decide).
+  ConstView<float, 2> wo_a_norm;  // (O_GROUPS, O_LORA)
   index_t tokens() const { return attn_out.extent(0); }
 };
 
@@ -58,6 +64,35 @@ inline void validate(const OutputProjectionArgs& a) {
   if (R % 32 != 0 || R > 65536)
     throw_arg(where, "cfg.o_lora", R, "a multiple of 32 in [32, 65536] (INT32 bound of wo_b)");
   if (K % 8 != 0) throw_arg(where, "cfg.o_group_in()", K, "a multiple of 8");
+  if (a.wo_a_norm.data() != nullptr) {
+    check_rows(where, "wo_a_norm", a.wo_a_norm, {G, R});
+    for (index_t g = 0; g < G; ++g)
+      for (index_t r = 0; r < R; ++r)
+        if (!(a.wo_a_norm(g, r) >= 0.0f) || !std::isfinite(a.wo_a_norm(g, r)))
+          throw_arg(where, nth_name("wo_a_norm", g, r), a.wo_a_norm(g, r),
+                    "a finite value >= 0 (output_projection_row_norms)");
+  }
+}
+
+// Per wo_a row (g, r) an upper bound of its Euclidean norm, as FP32: the double sum of the
+// squares (each exact: a BF16 square has 16 significant bits) is within 2^-40 of the exact sum,
+// its square root and the rounding up to FP32 (one ulp up from the nearest) keep the bound above
+// the exact norm. A load-time preparation (decode/layer.hpp LayerWeightsStorage::pack) that reads
+// wo_a once; a non-finite weight gives a non-finite norm, which output_projection rejects.
+inline Tensor<float, 2> output_projection_row_norms(ConstView<bf16, 3> wo_a) {
+  const index_t G = wo_a.extent(0), R = wo_a.extent(1), K = wo_a.extent(2);
+  Tensor<float, 2> n({G, R});
+  for (index_t g = 0; g < G; ++g)
+    for (index_t r = 0; r < R; ++r) {
+      double s = 0.0;
+      for (index_t k = 0; k < K; ++k) {
+        const double w = wo_a(g, r, k).to_float();
+        s += w * w;
+      }
+      const double up = std::sqrt(s) * (1.0 + 0x1p-30);
+      n.data()[g * R + r] = std::nextafter(float(up), std::numeric_limits<float>::infinity());
+    }
+  return n;
 }
 
 // The tile program (both backends).
@@ -93,13 +128,17 @@ std::size_t output_projection_workspace_bytes(const Be& be, const ModelConfig& c
 //               activations are in [-127, 127], so every pair sum stays < 32767: exact)
 //   wo_b_scale  FP32 [D] per output channel
 //   workspace   >= output_projection_workspace_bytes(be, cfg, T) bytes, any alignment
+//   wo_a_norm   FP32 [O_GROUPS, O_LORA], optional: output_projection_row_norms(wo_a), finite and
+//               >= 0. With it the CPU backend's default BF16 dots (not Bf16Dot::exact, which
+//               needs no check) give golden's Q8 activations, so golden's attn_out: see
+//               backend/cpu/output_projection.hpp, "Rounding check".
 // Throws tiledecode::Error on invalid arguments before writing anything.
 template <class Be>
 void output_projection(const Be& be, const ModelConfig& cfg, View<bf16, 2> attn_out,
                        ConstView<bf16, 2> o_packed, ConstView<bf16, 3> wo_a,
                        ConstView<std::int8_t, 2> wo_b, ConstView<float, 1> wo_b_scale,
-                       std::span<std::byte> workspace) {
-  const OutputProjectionArgs a{&cfg, attn_out, o_packed, wo_a, wo_b, wo_b_scale};
+                       std::span<std::byte> workspace, ConstView<float, 2> wo_a_norm = {}) {
+  const OutputProjectionArgs a{&cfg, attn_out, o_packed, wo_a, wo_b, wo_b_scale, wo_a_norm};
   dispatch(be, [&](const auto& b) {
     using Ops = ops_for<OutputProjection, decltype(b)>;
     validate(a);

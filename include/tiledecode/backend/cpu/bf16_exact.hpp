@@ -59,6 +59,45 @@ inline double bf16_dot_exact(const bf16* x, const bf16* w, index_t d, index_t st
   return s;
 }
 
+// s[j] = Σ_{k<d} x[j][k] · w[j][k] for j < n <= kPairDots: bf16_dot_exact's sum of each pair
+// (x[j], w[j]), for the o-proj's rounding repairs. Per block of k the products (exact in double)
+// are formed a row at a time, a loop the compiler vectorizes for the tier it is compiled for (the
+// wrappers below), and the n sums then advance together in ascending k: interleaved, the chains'
+// additions overlap (one alone is bound by the latency of its additions).
+inline constexpr int kPairDots = 16;
+__attribute__((always_inline)) inline void pair_dots_body(int n, const bf16* const* x,
+                                                          const bf16* const* w, index_t d,
+                                                          double* s) {
+  constexpr index_t B = 64;                 // k per block (a pair's products: 512 bytes)
+  constexpr index_t kAhead = 8 * B;         // the prefetch distance, in k
+  alignas(64) double p[kPairDots][B] = {};  // rows >= n stay +0 (their sums are discarded)
+  double a[kPairDots] = {};
+  for (index_t k0 = 0; k0 < d; k0 += B) {
+    const index_t kb = std::min(B, d - k0);
+    for (int j = 0; j < n; ++j) {
+      // The rows are cold (a repair reads one row of a weight matrix just streamed past the
+      // caches), and 2n streams are more than the hardware prefetchers follow well.
+      if (k0 + kAhead < d) {
+        __builtin_prefetch(x[j] + k0 + kAhead), __builtin_prefetch(x[j] + k0 + kAhead + 32);
+        __builtin_prefetch(w[j] + k0 + kAhead), __builtin_prefetch(w[j] + k0 + kAhead + 32);
+      }
+      const bf16* xj = x[j] + k0;
+      const bf16* wj = w[j] + k0;
+      for (index_t k = 0; k < kb; ++k)
+        p[j][k] = double(xj[k].to_float()) * double(wj[k].to_float());
+    }
+    for (index_t k = 0; k < kb; ++k) {
+#pragma GCC unroll 16
+      for (int j = 0; j < kPairDots; ++j) a[j] += p[j][k];
+    }
+  }
+  for (int j = 0; j < n; ++j) s[j] = a[j];
+}
+inline void bf16_pair_dots_exact_scalar(int n, const bf16* const* x, const bf16* const* w,
+                                        index_t d, double* s) {
+  pair_dots_body(n, x, w, d, s);
+}
+
 // out[t·ld_out + r] = float(Σ_k x[t·ld_x + k] · w[r·ld_w + k]), t < n_tok, r < n_rows.
 inline void bf16_rows_dot_exact_scalar(float* out, index_t ld_out, const bf16* x, index_t ld_x,
                                        index_t n_tok, const bf16* w, index_t ld_w, index_t n_rows,
@@ -492,6 +531,104 @@ inline void bf16_rows_dot_exact(Isa isa, float* out, index_t ld_out, const bf16*
 #endif
   (void)isa;
   bf16_rows_dot_exact_scalar(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d);
+}
+
+#if TILEDECODE_X86
+namespace avx512 {
+// 8 BF16 values at p as doubles.
+TILEDECODE_TARGET_AVX512 inline __m512d pair_widen8(const bf16* p) {
+  const __m256i u = _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return _mm512_maskz_cvtps_pd(__mmask8(0xff), _mm256_castsi256_ps(u));
+}
+// The lanes on the pairs, 8 to a vector: per 8 k, each pair's 8 products (exact in double) as a
+// vector, an 8 × 8 transpose in registers (24 shuffles; the maskz forms with every lane set: the
+// plain ones trip GCC 12's -Wmaybe-uninitialized), then the 8 additions in ascending k. The two
+// vectors' chains of additions (pairs 0-7, 8-15) are independent: they overlap.
+TILEDECODE_TARGET_AVX512 inline __m512d pair_block8(const bf16* const* xs, const bf16* const* ws,
+                                                    index_t k0, __m512d acc) {
+  constexpr __mmask8 all = 0xff;
+  __m512d r[8], t[8], u[8], c[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)
+    r[j] = _mm512_mul_pd(pair_widen8(xs[j] + k0), pair_widen8(ws[j] + k0));
+    // t: pairs (2i, 2i + 1) interleaved by k parity; u: their 128-bit lanes gathered; c[k]: k of
+    // every pair.
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_maskz_unpacklo_pd(all, r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_maskz_unpackhi_pd(all, r[2 * i], r[2 * i + 1]);
+  }
+  u[0] = _mm512_maskz_shuffle_f64x2(all, t[0], t[2], 0x88);  // k 0, 4 of pairs 0-3
+  u[1] = _mm512_maskz_shuffle_f64x2(all, t[0], t[2], 0xdd);  // k 2, 6
+  u[2] = _mm512_maskz_shuffle_f64x2(all, t[1], t[3], 0x88);  // k 1, 5
+  u[3] = _mm512_maskz_shuffle_f64x2(all, t[1], t[3], 0xdd);  // k 3, 7
+  u[4] = _mm512_maskz_shuffle_f64x2(all, t[4], t[6], 0x88);  // the same of pairs 4-7
+  u[5] = _mm512_maskz_shuffle_f64x2(all, t[4], t[6], 0xdd);
+  u[6] = _mm512_maskz_shuffle_f64x2(all, t[5], t[7], 0x88);
+  u[7] = _mm512_maskz_shuffle_f64x2(all, t[5], t[7], 0xdd);
+  c[0] = _mm512_maskz_shuffle_f64x2(all, u[0], u[4], 0x88);
+  c[4] = _mm512_maskz_shuffle_f64x2(all, u[0], u[4], 0xdd);
+  c[2] = _mm512_maskz_shuffle_f64x2(all, u[1], u[5], 0x88);
+  c[6] = _mm512_maskz_shuffle_f64x2(all, u[1], u[5], 0xdd);
+  c[1] = _mm512_maskz_shuffle_f64x2(all, u[2], u[6], 0x88);
+  c[5] = _mm512_maskz_shuffle_f64x2(all, u[2], u[6], 0xdd);
+  c[3] = _mm512_maskz_shuffle_f64x2(all, u[3], u[7], 0x88);
+  c[7] = _mm512_maskz_shuffle_f64x2(all, u[3], u[7], 0xdd);
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) acc = _mm512_add_pd(acc, c[k]);
+  return acc;
+}
+TILEDECODE_TARGET_AVX512 inline void bf16_pair_dots_exact(int n, const bf16* const* x,
+                                                          const bf16* const* w, index_t d,
+                                                          double* s) {
+  constexpr index_t kAhead = 512;  // the prefetch distance, in k (see pair_dots_body)
+  const bf16* xs[kPairDots];
+  const bf16* ws[kPairDots];
+  for (int j = 0; j < kPairDots; ++j) {  // the missing pairs repeat the first (discarded)
+    xs[j] = x[j < n ? j : 0];
+    ws[j] = w[j < n ? j : 0];
+  }
+  const bool two = n > 8;
+  __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
+  const index_t d8 = d - d % 8;
+  for (index_t k0 = 0; k0 < d8; k0 += 8) {
+    if (k0 % 32 == 0 && k0 + kAhead < d)
+      for (int j = 0; j < n; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(xs[j] + k0 + kAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ws[j] + k0 + kAhead), _MM_HINT_T0);
+      }
+    acc0 = pair_block8(xs, ws, k0, acc0);
+    if (two) acc1 = pair_block8(xs + 8, ws + 8, k0, acc1);
+  }
+  alignas(64) double a[kPairDots];
+  _mm512_store_pd(a, acc0);
+  _mm512_store_pd(a + 8, acc1);
+  for (int j = 0; j < n; ++j) {
+    for (index_t k = d8; k < d; ++k)
+      a[j] += double(xs[j][k].to_float()) * double(ws[j][k].to_float());
+    s[j] = a[j];
+  }
+}
+}  // namespace avx512
+namespace avx2 {
+TILEDECODE_TARGET_AVX2 inline void bf16_pair_dots_exact(int n, const bf16* const* x,
+                                                        const bf16* const* w, index_t d,
+                                                        double* s) {
+  pair_dots_body(n, x, w, d, s);
+}
+}  // namespace avx2
+#endif
+
+// The pairs' sums compiled for the tier (the same order, so the same bits, on every one).
+inline void bf16_pair_dots_exact(Isa isa, int n, const bf16* const* x, const bf16* const* w,
+                                 index_t d, double* s) {
+#if TILEDECODE_X86
+  if (isa == Isa::avx512) return avx512::bf16_pair_dots_exact(n, x, w, d, s);
+  if (has_avx2(isa)) return avx2::bf16_pair_dots_exact(n, x, w, d, s);
+#endif
+  (void)isa;
+  bf16_pair_dots_exact_scalar(n, x, w, d, s);
 }
 
 inline void bf16_cols_dot_exact(Isa isa, float* out, index_t ld_out, const bf16* x, index_t ld_x,

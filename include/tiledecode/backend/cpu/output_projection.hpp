@@ -15,6 +15,28 @@
 //              store — the program's combine is fused here (no INT32 partials in memory).
 // With Bf16Dot::exact (every tier) wo_a sums each whole row in double in ascending k straight from
 // o_packed (bf16_exact.hpp): o_r is golden's, so Q8 of it rounds as the exact value does.
+//
+// Rounding check (issue 17): the default dots given wo_a_norm (the row norms that
+// decode::LayerWeightsStorage::pack makes, kernels::output_projection_row_norms). The default o_r
+// are FP32 block sums a few FP32 ulps from golden's; where that moves a value across a Q8 midpoint,
+// or moves the row's amax (the scale of every value of the row and of the combine), one flip
+// changes a whole token's outputs. So quantize first lists, per (token, group) row, the values
+// whose rounding that error could change (oproj_check.hpp: an interval of half-width κ · 2^-24 ·
+// max_k |x[k]| · |w_r| + one FP32 ulp around each o_r; listed if it reaches the largest value's
+// interval, or if, scaled by any Q8 scale the repaired amax can give, it holds a midpoint),
+// recomputes those as golden does (bf16_pair_dots_exact: ascending-k double sums, 16 at a time),
+// and then quantises. Where the interval holds the error the Q8 activations are golden's, so
+// attn_out is golden's bytes (every other stage is golden's arithmetic). The bound is measured, not
+// proven: every tier's FP32 sums are 64-k blocks of FP32 partials added in double
+// (bf16_rows_avx2.hpp, bf16_rows_avx512.hpp), whose worst case, 64 · 2^-24 · Σ|x · w|, would list
+// ~2 % of the values; measured, |o_r − exact| stays below 1.9 · 2^-24 · max|x| · |w_r| over 131072
+// dots of the layer's statistics on every tier, and κ = 16 keeps 8× above that. A task of 8 tokens
+// of one group lists at most 128 repairs (ties: rows with many equal values); past that the rest
+// keep their FP32 sums. Rows with a non-finite x or o_r are not checked (Q8's policy applies).
+// Measured on Zen 5 (paired runs in one process): ~80 values repaired per call at T = 8 (64 of them
+// the rows' amax), T = 8 +1.7-2.3 % (one thread) / +2.8-3.7 % (two), T = 128 +5-6 %
+// (docs/compressors.md).
+//
 // At decode sizes (T = 8) every weight is read once per call: 64 MiB (flash wo_a, BF16) + 32 MiB
 // (wo_b, INT8) against 2·T operations per weight element; see docs/sparse_attention.md.
 // From 16 tokens the avx512 tier blocks both stages for the caches with the same bits (batch
@@ -38,6 +60,7 @@
 #include "tiledecode/backend/cpu/backend.hpp"
 #include "tiledecode/backend/cpu/bf16_exact.hpp"
 #include "tiledecode/backend/cpu/bf16_rows_avx512.hpp"
+#include "tiledecode/backend/cpu/oproj_check.hpp"
 #include "tiledecode/backend/cpu/output_projection_avx2.hpp"
 #include "tiledecode/backend/cpu/output_projection_avx512.hpp"
 #include "tiledecode/backend/cpu/quant.hpp"
@@ -277,15 +300,61 @@ struct backend_ops_output_projection {
       }
     });
   }
+  // The rounding check of o_r[t, g, :] for the tokens t0 .. t0 + nt (rows of one group): the
+  // values whose Q8 rounding their FP32 error could change (oproj_check.hpp) recomputed as golden
+  // computes them (bf16_pair_dots_exact: the exact dot rounded once). See "Rounding check".
+  static void check_rows(const Sched& s, const kernels::OutputProjectionArgs& x, index_t g,
+                         index_t t0, int nt) {
+    const index_t T = x.tokens(), G = x.cfg->o_groups, R = x.cfg->o_lora, K = x.cfg->o_group_in();
+    const float* nrm = &x.wo_a_norm(g, 0);
+    const float nmax = oproj_check::abs_max(nrm, R);  // validated finite, >= 0
+    oproj_check::Repairs rep;
+    for (int t = 0; t < nt; ++t)
+      oproj_check::check_row(I, &x.o_packed(g * T + t0 + t, 0), K, s.orr + ((t0 + t) * G + g) * R,
+                             nrm, R, nmax, t, rep);
+    repair(s, x, g, t0, rep);
+  }
+  // Recomputes the listed o_r (golden's sums, kPairDots chains at a time).
+  static void repair(const Sched& s, const kernels::OutputProjectionArgs& x, index_t g, index_t t0,
+                     const oproj_check::Repairs& rep) {
+    const index_t T = x.tokens(), G = x.cfg->o_groups, R = x.cfg->o_lora, K = x.cfg->o_group_in();
+    for (int i = 0; i < rep.n; i += kPairDots) {
+      const int n = std::min(kPairDots, rep.n - i);
+      const bf16* xp[kPairDots];
+      const bf16* wp[kPairDots];
+      double d[kPairDots];
+      for (int j = 0; j < n; ++j) {
+        xp[j] = &x.o_packed(g * T + t0 + rep.t[i + j], 0);
+        wp[j] = &x.wo_a(g, rep.r[i + j], 0);
+      }
+      bf16_pair_dots_exact(I, n, xp, wp, K, d);
+      for (int j = 0; j < n; ++j)
+        s.orr[((t0 + rep.t[i + j]) * G + g) * R + rep.r[i + j]] = float(d[j]);
+    }
+  }
   static void quantize(const Sched& s, const kernels::OutputProjectionArgs& x, int g0, int g1) {
     const index_t T = x.tokens(), G = x.cfg->o_groups, R = x.cfg->o_lora;
-    s.be.tasks(T * (g1 - g0), [&](std::int64_t i) {
-      const index_t tg = (i / (g1 - g0)) * G + g0 + i % (g1 - g0);
+    const auto q8 = [&](index_t tg) {  // row tg = t · G + g
       s.adq[tg] = quantize_q8_row(I, s.a + tg * R, s.orr + tg * R, R);
       std::int32_t sum = 0;
       for (index_t r = 0; r < R; ++r) sum += s.a[tg * R + r];
       s.asum[tg] = sum;
-    });
+    };
+    if (x.wo_a_norm.data() != nullptr && s.be.bf16_dot != Bf16Dot::exact) {
+      // With the rounding check: tasks of (group, oproj_check::kTokens tokens), whose repairs
+      // interleave; each row is quantised after its repairs.
+      constexpr index_t C = oproj_check::kTokens;
+      const index_t chunks = (T + C - 1) / C;
+      s.be.tasks((g1 - g0) * chunks, [&](std::int64_t i) {
+        const index_t g = g0 + i / chunks, t0 = (i % chunks) * C;
+        const int nt = int(std::min<index_t>(C, T - t0));
+        check_rows(s, x, g, t0, nt);
+        for (index_t t = t0; t < t0 + nt; ++t) q8(t * G + g);
+      });
+      return;
+    }
+    s.be.tasks(T * (g1 - g0),
+               [&](std::int64_t i) { q8((i / (g1 - g0)) * G + g0 + i % (g1 - g0)); });
   }
   // P_g of every group for a 32-channel task, dequantised and summed over g in order while in
   // registers (golden's combine: exact products adq · P_g, double sums in ascending g, the scale in

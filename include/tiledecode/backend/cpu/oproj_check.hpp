@@ -1,0 +1,118 @@
+#pragma once
+// The o-proj's rounding check (backend/cpu/output_projection.hpp, "Rounding check"): per Q8 row
+// o_r[t, g, :] of the default BF16 dots (FP32 sums, a few FP32 ulps from the exact dot), the
+// values whose Q8 rounding that error could change, listed for recomputation. The scan of a row
+// compiled for each tier (one body: the compiler vectorizes it for the tier's target).
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+#include "tiledecode/backend/cpu/isa.hpp"
+#include "tiledecode/core/bf16.hpp"
+#include "tiledecode/core/quant.hpp"
+#include "tiledecode/core/view.hpp"
+
+namespace tiledecode::cpu::oproj_check {
+
+inline constexpr int kTokens = 8;  // token rows per check task (their repairs interleave)
+// The bound's factor κ: |o_r − exact| <= κ · 2^-24 · max_k |x[k]| · |w_r| (see the note in
+// output_projection.hpp), measured at most 1.9 on every tier's FP32 sums.
+inline constexpr float kKappa = 16.0f;
+inline constexpr int kMaxRepairs = 128;  // repairs listed per task at most
+inline constexpr int kChunk = 64;        // values per vector compare of the scan
+inline constexpr float kFltMax = 3.40282347e38f;
+
+struct Repairs {  // (token in the task, row) of the o_r values to recompute
+  int n = 0;
+  bool full = false;  // a value was not listed (kMaxRepairs)
+  std::int32_t t[kMaxRepairs], r[kMaxRepairs];
+  void add(int tt, index_t rr) {
+    if (n == kMaxRepairs) {
+      full = true;
+      return;
+    }
+    t[n] = tt, r[n] = std::int32_t(rr), ++n;
+  }
+};
+
+// max_i |v[i]| (for finite v; a NaN gives a value above +Inf): the bit patterns' maximum, an
+// integer reduction the compiler vectorizes (a float one it may not reorder).
+__attribute__((always_inline)) inline float abs_max(const float* v, index_t n) {
+  std::int32_t m = 0;
+  for (index_t i = 0; i < n; ++i) m = std::max(m, std::bit_cast<std::int32_t>(v[i]) & 0x7fffffff);
+  return std::bit_cast<float>(m);
+}
+
+// Lists the values of the row o[0 .. R) (token t of the task) to recompute: x is the token's
+// o_packed row (K), nrm the group's row norms, nmax their largest. A row with a non-finite x or o
+// is not checked (Q8's non-finite policy applies to it unchanged).
+//
+// The interval around o_r that holds the value golden rounds: half-width w_r = a · |w_r| (the
+// FP32 sums' error, a = κ · 2^-24 · max_k |x[k]|) + 2^-23 |o_r| (an FP32 ulp: the two final
+// roundings). A value is listed
+//   * if it can be the row's largest after repair: its interval reaches the interval of the
+//     largest before (bounded below with the group's largest norm), so the Q8 scale sq = 127 /
+//     max(amax, 1e-4) (core/quant.hpp) is golden's after the repairs (none where amax cannot
+//     reach the floor 1e-4: the scale is then 127 / 1e-4 whatever it is);
+//   * or if its interval, scaled by any sq the repaired amax can give (within a relative d of
+//     this one), holds a rounding midpoint of q = rint(o · sq): |o · sq| <= 127 up to the FP32
+//     product's rounding (2^-17; 2^-15 covers it), and the distance to the nearest midpoint comes
+//     from the truncation (a conversion; std::floor is a libm call per value on baseline x86).
+// Each test is a vector compare over a chunk of kChunk values, searched one by one on a hit.
+__attribute__((always_inline)) inline void check_row_body(const bf16* x, index_t K, const float* o,
+                                                          const float* nrm, index_t R, float nmax,
+                                                          int t, Repairs& rep) {
+  std::int16_t m = 0;  // the largest |x| as bits (every non-finite one >= 0x7f80)
+  for (index_t k = 0; k < K; ++k) m = std::max(m, std::int16_t(x[k].bits & 0x7fff));
+  const float amax = abs_max(o, R);
+  if (m >= 0x7f80 || !(amax <= kFltMax)) return;
+  const float a = kKappa * 0x1p-24f * bf16::from_bits(std::uint16_t(m)).to_float();
+  const float wmax = a * nmax + 0x1p-23f * amax, lo = amax - wmax;
+  const float den = amax < kInt8AmaxEps ? kInt8AmaxEps : amax, sq = kInt8ScaleMax / den;
+  const float d = 2.0f * wmax / den + 0x1p-20f, sqd = sq * (1.0f + d);
+  // Below the floor 1e-4 the scale does not depend on amax: no candidates (an all-zero row).
+  const std::int32_t scaled = amax + wmax >= kInt8AmaxEps;
+  std::int32_t hit[kChunk];
+  for (index_t r0 = 0; r0 < R; r0 += kChunk) {
+    const index_t n = std::min<index_t>(kChunk, R - r0);
+    std::int32_t any = 0;
+    for (index_t i = 0; i < n; ++i) {
+      const float ao = std::fabs(o[r0 + i]), w = a * nrm[r0 + i] + 0x1p-23f * ao;
+      const float v = o[r0 + i] * sq, f = std::fabs(v - float(std::int32_t(v)));
+      hit[i] = (scaled & (ao + w >= lo)) |
+               (std::fabs(f - 0.5f) <= w * sqd + std::fabs(v) * d + 0x1p-15f);
+      any |= hit[i];
+    }
+    if (any)
+      for (index_t i = 0; i < n; ++i)
+        if (hit[i]) rep.add(t, r0 + i);
+  }
+}
+
+#if TILEDECODE_X86
+TILEDECODE_TARGET_AVX512 inline void check_row_avx512(const bf16* x, index_t K, const float* o,
+                                                      const float* nrm, index_t R, float nmax,
+                                                      int t, Repairs& rep) {
+  check_row_body(x, K, o, nrm, R, nmax, t, rep);
+}
+TILEDECODE_TARGET_AVX2 inline void check_row_avx2(const bf16* x, index_t K, const float* o,
+                                                  const float* nrm, index_t R, float nmax, int t,
+                                                  Repairs& rep) {
+  check_row_body(x, K, o, nrm, R, nmax, t, rep);
+}
+#endif
+
+// The row's scan compiled for the tier (the same tests, so the same list, on every one).
+inline void check_row(Isa isa, const bf16* x, index_t K, const float* o, const float* nrm,
+                      index_t R, float nmax, int t, Repairs& rep) {
+#if TILEDECODE_X86
+  if (isa == Isa::avx512) return check_row_avx512(x, K, o, nrm, R, nmax, t, rep);
+  if (has_avx2(isa)) return check_row_avx2(x, K, o, nrm, R, nmax, t, rep);
+#endif
+  (void)isa;
+  check_row_body(x, K, o, nrm, R, nmax, t, rep);
+}
+
+}  // namespace tiledecode::cpu::oproj_check
