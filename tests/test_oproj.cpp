@@ -336,20 +336,28 @@ TEST(Oproj, RoundingCheckLeavesNonFiniteRowsToTheQ8Policy) {
 }
 
 // Ties: every row of group 0 the same, so each (token, group 0) row has O_LORA candidates for its
-// amax, more than a task lists (kMaxRepairs). The check then repairs what it listed and leaves the
-// rest: the output stays within the spec's tolerance of golden (not its bytes).
+// amax, more than a row lists (kRowRepairs). The check then repairs what it listed and leaves the
+// rest: the output stays within the spec's tolerance of golden (not its bytes), and a token's
+// bits are the same in any batch (the quota is per row).
 TEST(Oproj, RoundingCheckWithAFullListStaysWithinTolerance) {
   static Weights w(td::flash_config(), 1);
   const index_t R = w.cfg.o_lora, K = w.cfg.o_group_in();
   for (index_t r = 1; r < R; ++r)
     std::memcpy(&w.wo_a.view()(0, r, 0), &w.wo_a.view()(0, 0, 0), std::size_t(K) * sizeof(bf16));
-  const index_t T = 8;
+  const index_t T = 8, G = w.cfg.o_groups, N = w.cfg.hidden;
   const auto o = random_o(w.cfg, T, 130);
   const auto g = run_golden(w, o, T);
-  for (auto isa : isas())
-    EXPECT_TRUE(tdtest::ratio_allclose(floats(run_checked(w, o, T, isa)), floats(g), 1e-4,
-                                       1.0 / 128, 0.005))
+  td::Tensor<bf16, 2> o1({G, K});  // token 5 alone
+  for (index_t gg = 0; gg < G; ++gg)
+    std::memcpy(&o1.view()(gg, 0), &o.view()(gg * T + 5, 0), std::size_t(K) * sizeof(bf16));
+  for (auto isa : isas()) {
+    const auto all = run_checked(w, o, T, isa);
+    EXPECT_TRUE(tdtest::ratio_allclose(floats(all), floats(g), 1e-4, 1.0 / 128, 0.005))
         << td::cpu::to_string(isa);
+    const auto one = run_checked(w, o1, 1, isa);
+    EXPECT_EQ(0, std::memcmp(&all.view()(5, 0), one.data(), std::size_t(N) * sizeof(bf16)))
+        << td::cpu::to_string(isa);
+  }
 }
 
 // The check's window on one row (oproj_check::check_row, every tier): x's largest |x| = 1 and
@@ -397,8 +405,9 @@ TEST(Oproj, RoundingCheckListsTheValuesItsWindowCannotDecide) {
   }
 }
 
-// wo_a_norm is validated before anything is written: shape (O_GROUPS, O_LORA), every value finite
-// and >= 0; a bad one throws naming it and leaves the output as it was.
+// wo_a_norm is validated before anything is written: shape (O_GROUPS, O_LORA), every value >= 0
+// (NaN and negative rejected; +Inf accepted: that row trusts nothing); a bad one throws naming it
+// and leaves the output as it was. output_projection_row_norms gives +Inf to a row with a NaN.
 TEST(Oproj, RoundingCheckRejectsBadNorms) {
   const auto& w = flash_weights();
   const index_t T = 2, G = w.cfg.o_groups, R = w.cfg.o_lora;
@@ -420,12 +429,22 @@ TEST(Oproj, RoundingCheckRejectsBadNorms) {
   };
   td::Tensor<float, 2> shape({G, R + 1});
   expect_rejected(shape.view(), "shape");
-  for (float bad :
-       {std::numeric_limits<float>::quiet_NaN(), -1.0f, std::numeric_limits<float>::infinity()}) {
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), -1.0f, -0.5e-30f}) {
     td::Tensor<float, 2> n = good;
     n.view()(G - 1, 7) = bad;
     expect_rejected(n.view(), "value");
   }
+  td::Tensor<float, 2> inf = good;
+  inf.view()(0, 3) = std::numeric_limits<float>::infinity();
+  td::Tensor<bf16, 2> out({T, w.cfg.hidden});
+  EXPECT_NO_THROW(td::kernels::output_projection(td::cpu::Context{}, w.cfg, out.view(), o.view(),
+                                                 w.wo_a.view(), w.wo_b.view(), w.scale.view(), ws,
+                                                 inf.view()));
+  Weights nan_w(w.cfg, 2);
+  nan_w.wo_a.view()(1, 9, 100) = bf16(std::numeric_limits<float>::quiet_NaN());
+  const auto nn = td::kernels::output_projection_row_norms(nan_w.wo_a.view());
+  EXPECT_EQ(nn.view()(1, 9), std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isfinite(nn.view()(1, 10)));
 }
 
 // The norms bound the rows' Euclidean norms from above, within a few FP32 ulps.

@@ -68,18 +68,20 @@ inline void validate(const OutputProjectionArgs& a) {
     check_rows(where, "wo_a_norm", a.wo_a_norm, {G, R});
     for (index_t g = 0; g < G; ++g)
       for (index_t r = 0; r < R; ++r)
-        if (!(a.wo_a_norm(g, r) >= 0.0f) || !std::isfinite(a.wo_a_norm(g, r)))
+        if (!(a.wo_a_norm(g, r) >= 0.0f))  // NaN or negative; +Inf is a bound (no value trusted)
           throw_arg(where, nth_name("wo_a_norm", g, r), a.wo_a_norm(g, r),
-                    "a finite value >= 0 (output_projection_row_norms)");
+                    "a value >= 0 (output_projection_row_norms)");
   }
 }
 
 // Per wo_a row (g, r) an upper bound of its Euclidean norm, as FP32: the double sum of the
 // squares (each exact: a BF16 square has 16 significant bits) is within 2^-40 of the exact sum,
 // its square root and the rounding up to FP32 (one ulp up from the nearest) keep the bound above
-// the exact norm. A load-time preparation (decode/layer.hpp LayerWeightsStorage::pack) that reads
-// wo_a once; a non-finite weight gives a non-finite norm, which output_projection rejects.
+// the exact norm. A norm past FLT_MAX, and a row with a NaN, give +Inf (a bound that trusts no
+// value of the row). A load-time preparation (decode/layer.hpp LayerWeightsStorage::pack) that
+// reads wo_a once.
 inline Tensor<float, 2> output_projection_row_norms(ConstView<bf16, 3> wo_a) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   const index_t G = wo_a.extent(0), R = wo_a.extent(1), K = wo_a.extent(2);
   Tensor<float, 2> n({G, R});
   for (index_t g = 0; g < G; ++g)
@@ -90,7 +92,8 @@ inline Tensor<float, 2> output_projection_row_norms(ConstView<bf16, 3> wo_a) {
         s += w * w;
       }
       const double up = std::sqrt(s) * (1.0 + 0x1p-30);
-      n.data()[g * R + r] = std::nextafter(float(up), std::numeric_limits<float>::infinity());
+      n.data()[g * R + r] =
+          std::isnan(up) ? std::numeric_limits<float>::infinity() : std::nextafter(float(up), kInf);
     }
   return n;
 }
@@ -128,10 +131,10 @@ std::size_t output_projection_workspace_bytes(const Be& be, const ModelConfig& c
 //               activations are in [-127, 127], so every pair sum stays < 32767: exact)
 //   wo_b_scale  FP32 [D] per output channel
 //   workspace   >= output_projection_workspace_bytes(be, cfg, T) bytes, any alignment
-//   wo_a_norm   FP32 [O_GROUPS, O_LORA], optional: output_projection_row_norms(wo_a), finite and
-//               >= 0. With it the CPU backend's default BF16 dots (not Bf16Dot::exact, which
-//               needs no check) give golden's Q8 activations, so golden's attn_out: see
-//               backend/cpu/output_projection.hpp, "Rounding check".
+//   wo_a_norm   FP32 [O_GROUPS, O_LORA], optional: output_projection_row_norms(wo_a), each >= 0
+//               (+Inf allowed: nothing of that row is trusted). With it the CPU backend's default
+//               BF16 dots (not Bf16Dot::exact, which needs no check) give golden's Q8 activations,
+//               so golden's attn_out: see backend/cpu/output_projection.hpp, "Rounding check".
 // Throws tiledecode::Error on invalid arguments before writing anything.
 template <class Be>
 void output_projection(const Be& be, const ModelConfig& cfg, View<bf16, 2> attn_out,

@@ -20,19 +20,18 @@ inline constexpr int kTokens = 8;  // token rows per check task (their repairs i
 // The bound's factor κ: |o_r − exact| <= κ · 2^-24 · max_k |x[k]| · |w_r| (see the note in
 // output_projection.hpp), measured at most 1.9 on every tier's FP32 sums.
 inline constexpr float kKappa = 16.0f;
-inline constexpr int kMaxRepairs = 128;  // repairs listed per task at most
-inline constexpr int kChunk = 64;        // values per vector compare of the scan
+inline constexpr int kRowRepairs = 16;  // repairs listed per (token, group) row at most
+inline constexpr int kChunk = 64;       // values per vector compare of the scan
 inline constexpr float kFltMax = 3.40282347e38f;
 
 struct Repairs {  // (token in the task, row) of the o_r values to recompute
+  static constexpr int kMax = kTokens * kRowRepairs;
   int n = 0;
-  bool full = false;  // a value was not listed (kMaxRepairs)
-  std::int32_t t[kMaxRepairs], r[kMaxRepairs];
+  int per[kTokens] = {};  // listed per token: a row's list does not depend on its batch
+  std::int32_t t[kMax], r[kMax];
   void add(int tt, index_t rr) {
-    if (n == kMaxRepairs) {
-      full = true;
-      return;
-    }
+    if (per[tt] == kRowRepairs) return;
+    ++per[tt];
     t[n] = tt, r[n] = std::int32_t(rr), ++n;
   }
 };
@@ -71,7 +70,10 @@ __attribute__((always_inline)) inline void check_row_body(const bf16* x, index_t
   const float a = kKappa * 0x1p-24f * bf16::from_bits(std::uint16_t(m)).to_float();
   const float wmax = a * nmax + 0x1p-23f * amax, lo = amax - wmax;
   const float den = amax < kInt8AmaxEps ? kInt8AmaxEps : amax, sq = kInt8ScaleMax / den;
-  const float d = 2.0f * wmax / den + 0x1p-20f, sqd = sq * (1.0f + d);
+  // The repaired amax is within wmax of this one: its scale within a relative 2 · wmax / den
+  // while that is <= 1/2 (beyond, every value of the row is in doubt: d so large it lists them).
+  const float dl = wmax / den, d = dl <= 0.25f ? 2.0f * dl + 0x1p-20f : 1e30f;
+  const float sqd = sq * (1.0f + d);
   // Below the floor 1e-4 the scale does not depend on amax: no candidates (an all-zero row).
   const std::int32_t scaled = amax + wmax >= kInt8AmaxEps;
   std::int32_t hit[kChunk];

@@ -30,11 +30,11 @@
 // proven: every tier's FP32 sums are 64-k blocks of FP32 partials added in double
 // (bf16_rows_avx2.hpp, bf16_rows_avx512.hpp), whose worst case, 64 · 2^-24 · Σ|x · w|, would list
 // ~2 % of the values; measured, |o_r − exact| stays below 1.9 · 2^-24 · max|x| · |w_r| over 131072
-// dots of the layer's statistics on every tier, and κ = 16 keeps 8× above that. A task of 8 tokens
-// of one group lists at most 128 repairs (ties: rows with many equal values); past that the rest
-// keep their FP32 sums. Rows with a non-finite x or o_r are not checked (Q8's policy applies).
-// Measured on Zen 5 (paired runs in one process): ~80 values repaired per call at T = 8 (64 of them
-// the rows' amax), T = 8 +1.7-2.3 % (one thread) / +2.8-3.7 % (two), T = 128 +5-6 %
+// dots of the layer's statistics on every tier, and κ = 16 keeps 8× above that. A row lists at most
+// 16 repairs (ties: many equal values), its own quota (its bits do not depend on its batch); past
+// that the rest keep their FP32 sums. Rows with a non-finite x or o_r are not checked (Q8's policy
+// applies). Measured on Zen 5 (paired runs in one process): ~80 values repaired per call at T = 8
+// (64 of them the rows' amax), T = 8 +1.7-2.3 % (one thread) / +2.8-3.7 % (two), T = 128 +5-6 %
 // (docs/compressors.md).
 //
 // At decode sizes (T = 8) every weight is read once per call: 64 MiB (flash wo_a, BF16) + 32 MiB
