@@ -360,7 +360,7 @@ TEST(Oproj, RoundingCheckWithAFullListStaysWithinTolerance) {
   }
 }
 
-// The check's window on one row (oproj_check::check_row, every tier): x's largest |x| = 1 and
+// The check's window on one row (rounding_check::check_row, every tier): x's largest |x| = 1 and
 // row norms 1000 make the FP32 error bound a · |w| = 16 · 2^-24 · 1000 = 9.5e-4 (1.2e-3 Q8 steps
 // at sq = 127 / 100), well above the window's other terms (2.8e-4 steps). Listed: a value whose
 // scaled interval holds a midpoint (v = 10.5 + 6e-4) and a value that can be the largest after
@@ -369,7 +369,7 @@ TEST(Oproj, RoundingCheckWithAFullListStaysWithinTolerance) {
 // A row with a NaN in o, or an Inf in x, is not checked; an all-zero row lists nothing (its Q8
 // scale is the floor's, whatever the repairs).
 TEST(Oproj, RoundingCheckListsTheValuesItsWindowCannotDecide) {
-  namespace oc = td::cpu::oproj_check;
+  namespace oc = td::cpu::rounding_check;
   constexpr index_t R = 64, K = 8;
   const float sq = 127.0f / 100.0f, aw = 16.0f * 0x1p-24f * 1000.0f;
   std::vector<bf16> x(K, bf16(0.5f));

@@ -33,10 +33,12 @@
 //     or the fixture does. The default paths (FP32 accumulation) keep the bars above; the cost of
 //     exact is in docs/compressors.md ("Exact dots").
 //   * The o-proj's rounding check (default dots given wo_a_norm, as the decode step runs them;
-//     backend/cpu/oproj_check.hpp): attn_out 0 / 32768 (T = 8) and 0 / 98304 (T = 24) differ from
-//     golden on every tier, where the same dots without it give 604–606 and 3–6. Bar 0: the check
-//     recomputes as golden does every value whose interval (κ = 16 times the largest error
+//     backend/cpu/rounding_check.hpp): attn_out 0 / 32768 (T = 8) and 0 / 98304 (T = 24) differ
+//     from golden on every tier, where the same dots without it give 604–606 and 3–6. Bar 0: the
+//     check recomputes as golden does every value whose interval (κ = 16 times the largest error
 //     measured, 1.9 · 2^-24 · max|x| · |w_r|) could hold a Q8 decision.
+//   * The same check on the q-latent (QkvWeights::bf16_rows with norms): qr 0 / 524288 off the
+//     exact cq's Q8 on every tier, where the same dots without it give 1 (avx512/dpbf16: 2).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -282,6 +284,61 @@ TEST(rounding, QkvProjectionQLatentAndKvRoundAsTheExactValues) {
       EXPECT_LE(kv.rate(), kBf16DotBar);
       EXPECT_LE(q.rate(), kBf16DotBar);
     }
+  }
+}
+
+// The q-latent's rounding check (QkvWeights::bf16_rows with its norms; backend/cpu/
+// qkv_projection.hpp): qr = Q8(cq) against Q8 of golden's cq (the exact dots in double, their
+// double RMS norm, one rounding to FP32), over 512 tokens (524288 values) on every tier, with the
+// check and without it (the same tier's dots, no rows). Q8 is scale-invariant, so the kernel's r
+// (from its FP32 dots) leaves the decisions golden's; qr_scale (FP32, scaled by r) is not compared.
+TEST(rounding, QLatentWithTheRoundingCheckRoundsAsTheExactValue) {
+  const tdtest::QkvFixture f(td::flash_config(), 512, 29);
+  const td::ModelConfig& c = f.cfg;
+  const index_t D = c.hidden, QL = c.q_lora;
+  std::vector<std::int8_t> exact(static_cast<std::size_t>(f.T * QL));
+  {
+    std::vector<double> acc(static_cast<std::size_t>(QL));
+    std::vector<float> cq(static_cast<std::size_t>(QL));
+    for (index_t t = 0; t < f.T; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (index_t k = 0; k < D; ++k) {
+        const double a = f.x_n.view()(t, k).to_float();
+        const bf16* w = &f.wq_a.view()(k, 0);
+        for (index_t n = 0; n < QL; ++n) acc[std::size_t(n)] += a * double(w[n].to_float());
+      }
+      double ss = 0.0;
+      for (double v : acc) ss += v * v;
+      const double r = 1.0 / std::sqrt(ss / double(QL) + double(c.rms_eps));
+      for (index_t n = 0; n < QL; ++n)
+        cq[std::size_t(n)] =
+            float(acc[std::size_t(n)] * r * double(f.gamma_cq.view()(n).to_float()));
+      td::quantize_q8(std::span<std::int8_t>(exact.data() + t * QL, std::size_t(QL)), cq);
+    }
+  }
+  const td::QkvBf16Rows rows = td::kernels::pack_qkv_bf16_rows(c, f.wq_a.view(), f.wkv.view());
+  td::QkvBf16Rows bare = td::kernels::pack_qkv_bf16_rows(c, f.wq_a.view(), f.wkv.view());
+  bare.norm = td::Buffer<float>();  // the rows without their norms: no check
+  // Every tier on its FMA dots (the rows read only by the check), and the avx512 tier's
+  // vdpbf16ps dots on the rows (Bf16Dot::dpbf16) where it runs.
+  std::vector<std::pair<Isa, td::cpu::Bf16Dot>> paths;
+  for (Isa isa : td::cpu::supported_isas()) paths.push_back({isa, td::cpu::Bf16Dot::fma});
+  if (td::cpu::cpu_supports(Isa::avx512)) paths.push_back({Isa::avx512, td::cpu::Bf16Dot::dpbf16});
+  for (const auto& [isa, dot] : paths) {
+    const std::string tier =
+        std::string(td::cpu::to_string(isa)) + (dot == td::cpu::Bf16Dot::dpbf16 ? "/dpbf16" : "");
+    Rate checked, unchecked;
+    for (bool with : {false, true}) {
+      tdtest::QkvOut o(c, f.T);
+      td::ThreadPool pool(2);
+      tdtest::run_qkv(f, o, td::cpu::Context{&pool, isa, dot}, nullptr, with ? &rows : &bare);
+      Rate& r = with ? checked : unchecked;
+      for (std::size_t i = 0; i < exact.size(); ++i) r.add(o.qr.data()[i] != exact[i]);
+    }
+    report("qr, no check", tier, unchecked);
+    report("qr, rounding check", tier, checked);
+    EXPECT_EQ(checked.diff, 0) << tier;
+    EXPECT_GT(unchecked.diff, 0) << tier << ": the data no longer flip a value without the check";
   }
 }
 

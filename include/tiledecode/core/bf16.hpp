@@ -5,7 +5,9 @@
 // Widening to float is exact (a 16-bit shift).
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace tiledecode {
 
@@ -42,6 +44,23 @@ static_assert(sizeof(bf16) == 2);
 // Round a float to the nearest BF16 value and return it as float (the "bf16(x)" of the spec).
 constexpr float round_bf16(float f) {
   return bf16(f).to_float();
+}
+
+// An upper bound of the Euclidean norm of w[0], w[stride], ... (n values) as FP32: the double sum
+// of the squares (each exact: a BF16 square has 16 significant bits) is within a relative 2^-40
+// of the exact sum, and its square root, raised by 2^-30 and rounded one FP32 ulp up from the
+// nearest, stays above the exact norm. A norm past FLT_MAX, and a NaN anywhere, give +Inf (a bound
+// that trusts nothing). The rounding checks' row scales (kernels::output_projection_row_norms,
+// kernels::pack_qkv_bf16_rows), made once at load time.
+inline float bf16_norm_bound(const bf16* w, std::int64_t n, std::int64_t stride = 1) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  double s = 0.0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double v = w[i * stride].to_float();
+    s += v * v;
+  }
+  const double up = std::sqrt(s) * (1.0 + 0x1p-30);
+  return std::isnan(up) ? kInf : std::nextafter(float(up), kInf);
 }
 
 }  // namespace tiledecode

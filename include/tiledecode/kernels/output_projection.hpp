@@ -16,10 +16,8 @@
 // NaN policy: inputs are not scanned; a NaN in o_r makes Q8 of that (token, group) unspecified
 // (core/quant.hpp), so the corresponding outputs are unspecified but finite-typed.
 
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <limits>
 #include <span>
 #include <string>
 
@@ -74,27 +72,15 @@ inline void validate(const OutputProjectionArgs& a) {
   }
 }
 
-// Per wo_a row (g, r) an upper bound of its Euclidean norm, as FP32: the double sum of the
-// squares (each exact: a BF16 square has 16 significant bits) is within 2^-40 of the exact sum,
-// its square root and the rounding up to FP32 (one ulp up from the nearest) keep the bound above
-// the exact norm. A norm past FLT_MAX, and a row with a NaN, give +Inf (a bound that trusts no
-// value of the row). A load-time preparation (decode/layer.hpp LayerWeightsStorage::pack) that
-// reads wo_a once.
+// Per wo_a row (g, r) an upper bound of its Euclidean norm (bf16_norm_bound: FP32, rounded up;
+// +Inf past FLT_MAX or for a row with a NaN). A load-time preparation (decode/layer.hpp
+// LayerWeightsStorage::pack) that reads wo_a once.
 inline Tensor<float, 2> output_projection_row_norms(ConstView<bf16, 3> wo_a) {
-  constexpr float kInf = std::numeric_limits<float>::infinity();
   const index_t G = wo_a.extent(0), R = wo_a.extent(1), K = wo_a.extent(2);
   Tensor<float, 2> n({G, R});
   for (index_t g = 0; g < G; ++g)
-    for (index_t r = 0; r < R; ++r) {
-      double s = 0.0;
-      for (index_t k = 0; k < K; ++k) {
-        const double w = wo_a(g, r, k).to_float();
-        s += w * w;
-      }
-      const double up = std::sqrt(s) * (1.0 + 0x1p-30);
-      n.data()[g * R + r] =
-          std::isnan(up) ? std::numeric_limits<float>::infinity() : std::nextafter(float(up), kInf);
-    }
+    for (index_t r = 0; r < R; ++r)
+      n.data()[g * R + r] = bf16_norm_bound(&wo_a(g, r, 0), K, wo_a.stride(2));
   return n;
 }
 

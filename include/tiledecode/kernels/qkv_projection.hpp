@@ -61,6 +61,10 @@ struct QkvBf16Rows {
   index_t q_rows = 0;   // Q_LORA
   index_t kv_rows = 0;  // HEAD_DIM
   Buffer<bf16> data;    // ((Q_LORA + HEAD_DIM), D)
+  // Per row an upper bound of its Euclidean norm (FP32, rounded up; +Inf for a row with a NaN), or
+  // empty: the CPU backend's q-latent rounding check (backend/cpu/qkv_projection.hpp), which
+  // recomputes from these rows the cq values whose Q8 rounding the FP32 sums cannot decide.
+  Buffer<float> norm;  // (Q_LORA + HEAD_DIM) or empty
 };
 
 // The q/kv projection weights of one layer (spec §2 layouts, used as x @ W).
@@ -158,6 +162,13 @@ inline void validate(const QkvArgs& a) {
     check_equal(where, "w.bf16_rows->q_rows", r->q_rows, QL);
     check_equal(where, "w.bf16_rows->kv_rows", r->kv_rows, HD);
     check_equal(where, "w.bf16_rows->data.size()", index_t(r->data.size()), (QL + HD) * D);
+    if (r->norm.size() != 0) {
+      check_equal(where, "w.bf16_rows->norm.size()", index_t(r->norm.size()), QL + HD);
+      for (index_t n = 0; n < QL + HD; ++n)
+        if (!(r->norm[std::size_t(n)] >= 0.0f))  // NaN or negative (+Inf: a bound)
+          throw_arg(where, nth_name("w.bf16_rows->norm", n), r->norm[std::size_t(n)],
+                    "a value >= 0 (pack_qkv_bf16_rows)");
+    }
   }
 }
 

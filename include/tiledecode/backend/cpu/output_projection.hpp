@@ -21,8 +21,8 @@
 // are FP32 block sums a few FP32 ulps from golden's; where that moves a value across a Q8 midpoint,
 // or moves the row's amax (the scale of every value of the row and of the combine), one flip
 // changes a whole token's outputs. So quantize first lists, per (token, group) row, the values
-// whose rounding that error could change (oproj_check.hpp: an interval of half-width κ · 2^-24 ·
-// max_k |x[k]| · |w_r| + one FP32 ulp around each o_r; listed if it reaches the largest value's
+// whose rounding that error could change (rounding_check.hpp: an interval of half-width κ · 2^-24 ·
+// max_k |x[k]| · |w_r| + two FP32 ulps around each o_r; listed if it reaches the largest value's
 // interval, or if, scaled by any Q8 scale the repaired amax can give, it holds a midpoint),
 // recomputes those as golden does (bf16_pair_dots_exact: ascending-k double sums, 16 at a time),
 // and then quantises. Where the interval holds the error the Q8 activations are golden's, so
@@ -34,7 +34,7 @@
 // 16 repairs (ties: many equal values), its own quota (its bits do not depend on its batch); past
 // that the rest keep their FP32 sums. Rows with a non-finite x or o_r are not checked (Q8's policy
 // applies). Measured on Zen 5 (paired runs in one process): ~80 values repaired per call at T = 8
-// (64 of them the rows' amax), T = 8 +1.7-2.3 % (one thread) / +2.8-3.7 % (two), T = 128 +5-6 %
+// (64 of them the rows' amax), T = 8 +1.8-2.4 % (one thread) / +2.0-3.1 % (two), T = 128 +5-7 %
 // (docs/compressors.md).
 //
 // At decode sizes (T = 8) every weight is read once per call: 64 MiB (flash wo_a, BF16) + 32 MiB
@@ -60,10 +60,10 @@
 #include "tiledecode/backend/cpu/backend.hpp"
 #include "tiledecode/backend/cpu/bf16_exact.hpp"
 #include "tiledecode/backend/cpu/bf16_rows_avx512.hpp"
-#include "tiledecode/backend/cpu/oproj_check.hpp"
 #include "tiledecode/backend/cpu/output_projection_avx2.hpp"
 #include "tiledecode/backend/cpu/output_projection_avx512.hpp"
 #include "tiledecode/backend/cpu/quant.hpp"
+#include "tiledecode/backend/cpu/rounding_check.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/kernels/output_projection.hpp"
 
@@ -301,36 +301,21 @@ struct backend_ops_output_projection {
     });
   }
   // The rounding check of o_r[t, g, :] for the tokens t0 .. t0 + nt (rows of one group): the
-  // values whose Q8 rounding their FP32 error could change (oproj_check.hpp) recomputed as golden
-  // computes them (bf16_pair_dots_exact: the exact dot rounded once). See "Rounding check".
+  // values whose Q8 rounding their FP32 error could change (rounding_check.hpp) recomputed as
+  // golden computes them (bf16_pair_dots_exact: the exact dot rounded once). See "Rounding check".
   static void check_rows(const Sched& s, const kernels::OutputProjectionArgs& x, index_t g,
                          index_t t0, int nt) {
     const index_t T = x.tokens(), G = x.cfg->o_groups, R = x.cfg->o_lora, K = x.cfg->o_group_in();
     const float* nrm = &x.wo_a_norm(g, 0);
-    const float nmax = oproj_check::abs_max(nrm, R);  // validated finite, >= 0
-    oproj_check::Repairs rep;
+    const float nmax = rounding_check::abs_max(nrm, R);  // validated >= 0 (+Inf: a bound)
+    rounding_check::Repairs rep;
     for (int t = 0; t < nt; ++t)
-      oproj_check::check_row(I, &x.o_packed(g * T + t0 + t, 0), K, s.orr + ((t0 + t) * G + g) * R,
-                             nrm, R, nmax, t, rep);
-    repair(s, x, g, t0, rep);
-  }
-  // Recomputes the listed o_r (golden's sums, kPairDots chains at a time).
-  static void repair(const Sched& s, const kernels::OutputProjectionArgs& x, index_t g, index_t t0,
-                     const oproj_check::Repairs& rep) {
-    const index_t T = x.tokens(), G = x.cfg->o_groups, R = x.cfg->o_lora, K = x.cfg->o_group_in();
-    for (int i = 0; i < rep.n; i += kPairDots) {
-      const int n = std::min(kPairDots, rep.n - i);
-      const bf16* xp[kPairDots];
-      const bf16* wp[kPairDots];
-      double d[kPairDots];
-      for (int j = 0; j < n; ++j) {
-        xp[j] = &x.o_packed(g * T + t0 + rep.t[i + j], 0);
-        wp[j] = &x.wo_a(g, rep.r[i + j], 0);
-      }
-      bf16_pair_dots_exact(I, n, xp, wp, K, d);
-      for (int j = 0; j < n; ++j)
-        s.orr[((t0 + rep.t[i + j]) * G + g) * R + rep.r[i + j]] = float(d[j]);
-    }
+      rounding_check::check_row(I, &x.o_packed(g * T + t0 + t, 0), K,
+                                s.orr + ((t0 + t) * G + g) * R, nrm, R, nmax, t, rep);
+    rounding_check::repair(
+        I, rep, K, [&](int t, index_t) { return &x.o_packed(g * T + t0 + t, 0); },
+        [&](int, index_t r) { return &x.wo_a(g, r, 0); },
+        [&](int t, index_t r, double d) { s.orr[((t0 + t) * G + g) * R + r] = float(d); });
   }
   static void quantize(const Sched& s, const kernels::OutputProjectionArgs& x, int g0, int g1) {
     const index_t T = x.tokens(), G = x.cfg->o_groups, R = x.cfg->o_lora;
@@ -341,9 +326,9 @@ struct backend_ops_output_projection {
       s.asum[tg] = sum;
     };
     if (x.wo_a_norm.data() != nullptr && s.be.bf16_dot != Bf16Dot::exact) {
-      // With the rounding check: tasks of (group, oproj_check::kTokens tokens), whose repairs
+      // With the rounding check: tasks of (group, rounding_check::kTokens tokens), whose repairs
       // interleave; each row is quantised after its repairs.
-      constexpr index_t C = oproj_check::kTokens;
+      constexpr index_t C = rounding_check::kTokens;
       const index_t chunks = (T + C - 1) / C;
       s.be.tasks((g1 - g0) * chunks, [&](std::int64_t i) {
         const index_t g = g0 + i / chunks, t0 = (i % chunks) * C;

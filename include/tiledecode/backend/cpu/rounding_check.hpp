@@ -1,33 +1,36 @@
 #pragma once
-// The o-proj's rounding check (backend/cpu/output_projection.hpp, "Rounding check"): per Q8 row
-// o_r[t, g, :] of the default BF16 dots (FP32 sums, a few FP32 ulps from the exact dot), the
-// values whose Q8 rounding that error could change, listed for recomputation. The scan of a row
-// compiled for each tier (one body: the compiler vectorizes it for the tier's target).
+// The rounding check of the default BF16 dots (issue 17): per row of values that a Q8 rounding
+// follows (the o-proj's o_r[t, g, :], the q-latent cq[t, :]; FP32 sums a few FP32 ulps from the
+// exact dots), the values whose rounding that error could change, listed for recomputation in
+// golden's order (repair). The scan of a row is compiled for each tier (one body: the compiler
+// vectorizes it for the tier's target). Callers: backend/cpu/output_projection.hpp ("Rounding
+// check"), backend/cpu/qkv_projection.hpp (q_latent).
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 
+#include "tiledecode/backend/cpu/bf16_exact.hpp"
 #include "tiledecode/backend/cpu/isa.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/quant.hpp"
 #include "tiledecode/core/view.hpp"
 
-namespace tiledecode::cpu::oproj_check {
+namespace tiledecode::cpu::rounding_check {
 
-inline constexpr int kTokens = 8;  // token rows per check task (their repairs interleave)
-// The bound's factor κ: |o_r − exact| <= κ · 2^-24 · max_k |x[k]| · |w_r| (see the note in
-// output_projection.hpp), measured at most 1.9 on every tier's FP32 sums.
+inline constexpr int kTokens = 8;  // rows per list (the o-proj: a task's tokens of one group)
+// The bound's factor κ: |dot − exact| <= κ · 2^-24 · max_k |x[k]| · |w| (see the note in
+// output_projection.hpp), measured at most 1.9 on every tier's FP32 sums (64-k blocks).
 inline constexpr float kKappa = 16.0f;
-inline constexpr int kRowRepairs = 16;  // repairs listed per (token, group) row at most
+inline constexpr int kRowRepairs = 16;  // repairs listed per row at most
 inline constexpr int kChunk = 64;       // values per vector compare of the scan
 inline constexpr float kFltMax = 3.40282347e38f;
 
-struct Repairs {  // (token in the task, row) of the o_r values to recompute
+struct Repairs {  // (row t of the list, index r in it) of the values to recompute
   static constexpr int kMax = kTokens * kRowRepairs;
   int n = 0;
-  int per[kTokens] = {};  // listed per token: a row's list does not depend on its batch
+  int per[kTokens] = {};  // listed per row: a row's list does not depend on the others
   std::int32_t t[kMax], r[kMax];
   void add(int tt, index_t rr) {
     if (per[tt] == kRowRepairs) return;
@@ -35,6 +38,24 @@ struct Repairs {  // (token in the task, row) of the o_r values to recompute
     t[n] = tt, r[n] = std::int32_t(rr), ++n;
   }
 };
+
+// Recomputes the listed values, kPairDots at a time: store(t, r, s) takes the exact dot s of
+// x_of(t, r) · w_of(t, r) (bf16_pair_dots_exact: golden's ascending-k double sum, unrounded).
+template <class XOf, class WOf, class Store>
+void repair(Isa isa, const Repairs& rep, index_t d, XOf x_of, WOf w_of, Store store) {
+  for (int i = 0; i < rep.n; i += kPairDots) {
+    const int n = std::min(kPairDots, rep.n - i);
+    const bf16* xp[kPairDots];
+    const bf16* wp[kPairDots];
+    double s[kPairDots];
+    for (int j = 0; j < n; ++j) {
+      xp[j] = x_of(rep.t[i + j], rep.r[i + j]);
+      wp[j] = w_of(rep.t[i + j], rep.r[i + j]);
+    }
+    bf16_pair_dots_exact(isa, n, xp, wp, d, s);
+    for (int j = 0; j < n; ++j) store(rep.t[i + j], rep.r[i + j], s[j]);
+  }
+}
 
 // max_i |v[i]| (for finite v; a NaN gives a value above +Inf): the bit patterns' maximum, an
 // integer reduction the compiler vectorizes (a float one it may not reorder).
@@ -44,13 +65,15 @@ __attribute__((always_inline)) inline float abs_max(const float* v, index_t n) {
   return std::bit_cast<float>(m);
 }
 
-// Lists the values of the row o[0 .. R) (token t of the task) to recompute: x is the token's
-// o_packed row (K), nrm the group's row norms, nmax their largest. A row with a non-finite x or o
-// is not checked (Q8's non-finite policy applies to it unchanged).
+// Lists (as row t) the values of the row o[0 .. R) to recompute, a row that Q8 (core/quant.hpp)
+// rounds next: x is its activations (K; the o-proj: the token's o_packed row; the q-latent: x_n),
+// nrm[r] bounds the error factor of o_r (the o-proj: wo_a's row norm; the q-latent: r · |gamma|
+// times wq_a's column norm), nmax is their largest. A row with a non-finite x or o is not checked
+// (Q8's non-finite policy applies to it unchanged).
 //
-// The interval around o_r that holds the value golden rounds: half-width w_r = a · |w_r| (the
-// FP32 sums' error, a = κ · 2^-24 · max_k |x[k]|) + 2^-23 |o_r| (an FP32 ulp: the two final
-// roundings). A value is listed
+// The interval around o_r that holds the value golden rounds: half-width w_r = a · nrm[r] (the
+// FP32 sums' error, a = κ · 2^-24 · max_k |x[k]|) + 2^-22 |o_r| (two FP32 ulps: the final
+// roundings, golden's and the kernel's). A value is listed
 //   * if it can be the row's largest after repair: its interval reaches the interval of the
 //     largest before (bounded below with the group's largest norm), so the Q8 scale sq = 127 /
 //     max(amax, 1e-4) (core/quant.hpp) is golden's after the repairs (none where amax cannot
@@ -68,7 +91,7 @@ __attribute__((always_inline)) inline void check_row_body(const bf16* x, index_t
   const float amax = abs_max(o, R);
   if (m >= 0x7f80 || !(amax <= kFltMax)) return;
   const float a = kKappa * 0x1p-24f * bf16::from_bits(std::uint16_t(m)).to_float();
-  const float wmax = a * nmax + 0x1p-23f * amax, lo = amax - wmax;
+  const float wmax = a * nmax + 0x1p-22f * amax, lo = amax - wmax;
   const float den = amax < kInt8AmaxEps ? kInt8AmaxEps : amax, sq = kInt8ScaleMax / den;
   // The repaired amax is within wmax of this one: its scale within a relative 2 · wmax / den
   // while that is <= 1/2 (beyond, every value of the row is in doubt: d so large it lists them).
@@ -81,7 +104,7 @@ __attribute__((always_inline)) inline void check_row_body(const bf16* x, index_t
     const index_t n = std::min<index_t>(kChunk, R - r0);
     std::int32_t any = 0;
     for (index_t i = 0; i < n; ++i) {
-      const float ao = std::fabs(o[r0 + i]), w = a * nrm[r0 + i] + 0x1p-23f * ao;
+      const float ao = std::fabs(o[r0 + i]), w = a * nrm[r0 + i] + 0x1p-22f * ao;
       const float v = o[r0 + i] * sq, f = std::fabs(v - float(std::int32_t(v)));
       hit[i] = (scaled & (ao + w >= lo)) |
                (std::fabs(f - 0.5f) <= w * sqd + std::fabs(v) * d + 0x1p-15f);
@@ -117,4 +140,4 @@ inline void check_row(Isa isa, const bf16* x, index_t K, const float* o, const f
   check_row_body(x, K, o, nrm, R, nmax, t, rep);
 }
 
-}  // namespace tiledecode::cpu::oproj_check
+}  // namespace tiledecode::cpu::rounding_check
