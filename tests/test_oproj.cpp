@@ -339,7 +339,7 @@ TEST(Oproj, RoundingCheckLeavesNonFiniteRowsToTheQ8Policy) {
 // amax, more than a row lists (kRowRepairs). The check then repairs what it listed and leaves the
 // rest: the output stays within the spec's tolerance of golden (not its bytes), and a token's
 // bits are the same in any batch (the quota is per row).
-TEST(Oproj, RoundingCheckWithAFullListStaysWithinTolerance) {
+TEST(Oproj, RoundingCheckPastItsRowQuotaStaysWithinTolerance) {
   static Weights w(td::flash_config(), 1);
   const index_t R = w.cfg.o_lora, K = w.cfg.o_group_in();
   for (index_t r = 1; r < R; ++r)

@@ -60,10 +60,10 @@ inline double bf16_dot_exact(const bf16* x, const bf16* w, index_t d, index_t st
 }
 
 // s[j] = Σ_{k<d} x[j][k] · w[j][k] for j < n <= kPairDots: bf16_dot_exact's sum of each pair
-// (x[j], w[j]), for the o-proj's rounding repairs. Per block of k the products (exact in double)
-// are formed a row at a time, a loop the compiler vectorizes for the tier it is compiled for (the
-// wrappers below), and the n sums then advance together in ascending k: interleaved, the chains'
-// additions overlap (one alone is bound by the latency of its additions).
+// (x[j], w[j]), for the rounding checks' repairs (rounding_check.hpp). Per block of k the products
+// (exact in double) are formed a row at a time, a loop the compiler vectorizes for the tier it is
+// compiled for (the wrappers below), and the n sums then advance together in ascending k:
+// interleaved, the chains' additions overlap (one alone is bound by the latency of its additions).
 inline constexpr int kPairDots = 16;
 __attribute__((always_inline)) inline void pair_dots_body(int n, const bf16* const* x,
                                                           const bf16* const* w, index_t d,

@@ -75,7 +75,7 @@ __attribute__((always_inline)) inline float abs_max(const float* v, index_t n) {
 // FP32 sums' error, a = κ · 2^-24 · max_k |x[k]|) + 2^-22 |o_r| (two FP32 ulps: the final
 // roundings, golden's and the kernel's). A value is listed
 //   * if it can be the row's largest after repair: its interval reaches the interval of the
-//     largest before (bounded below with the group's largest norm), so the Q8 scale sq = 127 /
+//     largest before (bounded below with the row's largest factor nmax), so the Q8 scale sq = 127 /
 //     max(amax, 1e-4) (core/quant.hpp) is golden's after the repairs (none where amax cannot
 //     reach the floor 1e-4: the scale is then 127 / 1e-4 whatever it is);
 //   * or if its interval, scaled by any sq the repaired amax can give (within a relative d of
@@ -93,8 +93,9 @@ __attribute__((always_inline)) inline void check_row_body(const bf16* x, index_t
   const float a = kKappa * 0x1p-24f * bf16::from_bits(std::uint16_t(m)).to_float();
   const float wmax = a * nmax + 0x1p-22f * amax, lo = amax - wmax;
   const float den = amax < kInt8AmaxEps ? kInt8AmaxEps : amax, sq = kInt8ScaleMax / den;
-  // The repaired amax is within wmax of this one: its scale within a relative 2 · wmax / den
-  // while that is <= 1/2 (beyond, every value of the row is in doubt: d so large it lists them).
+  // The repaired amax is within wmax of this one: its scale within a relative wmax / (den - wmax)
+  // <= 2 · wmax / den while wmax / den <= 1/4 (beyond, every value of the row is in doubt: d so
+  // large that it lists them all, up to the quota).
   const float dl = wmax / den, d = dl <= 0.25f ? 2.0f * dl + 0x1p-20f : 1e30f;
   const float sqd = sq * (1.0f + d);
   // Below the floor 1e-4 the scale does not depend on amax: no candidates (an all-zero row).
@@ -129,7 +130,8 @@ TILEDECODE_TARGET_AVX2 inline void check_row_avx2(const bf16* x, index_t K, cons
 }
 #endif
 
-// The row's scan compiled for the tier (the same tests, so the same list, on every one).
+// The row's scan compiled for the tier (the same tests on every one; a value listed on one tier
+// and not on another is, where the bound holds, one whose rounding is golden's either way).
 inline void check_row(Isa isa, const bf16* x, index_t K, const float* o, const float* nrm,
                       index_t R, float nmax, int t, Repairs& rep) {
 #if TILEDECODE_X86
