@@ -18,11 +18,14 @@
 #include <benchmark/benchmark.h>
 
 #include <array>
+#include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "ceilings.hpp"
+#include "common/random.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/backend/cpu/qkv_projection.hpp"
 #include "tiledecode/rope/rope.hpp"
@@ -41,6 +44,7 @@ struct QkvProblem {
   std::vector<td::Tensor<std::int8_t, 2>> wq_b;
   std::vector<td::QkvPackedWqB> wq_b_packed;  // the load-time copy, where the CPU has a VNNI tier
   std::vector<td::QkvBf16Rows> bf16_rows;     // wq_a | wkv transposed, where dpbf16 is automatic
+  std::vector<td::QkvBf16Rows> bare_rows;     // the same without their norms: no rounding check
   td::Tensor<bf16, 1> gamma_cq, gamma_ckv;
   td::Tensor<float, 1> wq_b_scale;
   td::Tensor<bf16, 2> x, kv;
@@ -61,16 +65,20 @@ struct QkvProblem {
       auto& a = wq_a.back();
       auto& v = wkv.back();
       auto& b = wq_b.back();
-      for (std::size_t i = 0; i < a.size(); ++i)
-        a.data()[i] = bf16(float(int((i + k) % 61) - 30) * 1e-3f);
-      for (std::size_t i = 0; i < v.size(); ++i)
-        v.data()[i] = bf16(float(int((i + k) % 59) - 29) * 1e-3f);
+      // Normal, std 1/64 (the layer's statistics): distinct values, as the q-latent's rounding
+      // check sees them in a model (periodic weights tie many cq values at the row's amax).
+      tdtest::Rng rng(std::uint64_t(11 + k));
+      rng.fill_normal(std::span<bf16>(a.data(), a.size()), 1.0f / 64.0f);
+      rng.fill_normal(std::span<bf16>(v.data(), v.size()), 1.0f / 64.0f);
       for (std::size_t i = 0; i < b.size(); ++i)
         b.data()[i] = std::int8_t(int((i * 7 + k) % 255) - 127);
       if (td::cpu::has_vnni(td::cpu::detect_isa()))
         wq_b_packed.push_back(td::kernels::pack_qkv_wq_b(cfg, b.view()));
-      if (td::kernels::qkv_bf16_rows_useful())
+      if (td::kernels::qkv_bf16_rows_useful()) {
         bf16_rows.push_back(td::kernels::pack_qkv_bf16_rows(cfg, a.view(), v.view()));
+        bare_rows.push_back(td::kernels::pack_qkv_bf16_rows(cfg, a.view(), v.view()));
+        bare_rows.back().norm = td::Buffer<float>();
+      }
     }
     gamma_cq = td::Tensor<bf16, 1>({QL});
     gamma_ckv = td::Tensor<bf16, 1>({HD});
@@ -92,7 +100,8 @@ struct QkvProblem {
     for (index_t i = 0; i < T; ++i) pos.view()(i) = std::int32_t(8190 + i % 2);
     rope = td::make_rope_table(cfg, td::LayerKind::csa, cfg.max_seq_len);
   }
-  void run(const td::cpu::Context& ctx, int k, bool packed) {
+  void run(const td::cpu::Context& ctx, int k, bool packed, bool checked = true) {
+    const auto& rows = checked ? bf16_rows : bare_rows;
     const td::QkvWeights w{wq_a[k].view(),
                            gamma_cq.view(),
                            wq_b[k].view(),
@@ -100,7 +109,7 @@ struct QkvProblem {
                            wkv[k].view(),
                            gamma_ckv.view(),
                            packed && !wq_b_packed.empty() ? &wq_b_packed[k] : nullptr,
-                           packed && !bf16_rows.empty() ? &bf16_rows[k] : nullptr};
+                           packed && !rows.empty() ? &rows[k] : nullptr};
     td::kernels::qkv_projection(ctx, q.view(), kv.view(), qr.view(), qr_scale.view(), x.view(), w,
                                 rope.view(), pos.view(),
                                 td::QkvScratch{sx.view(), scq.view(), skv.view(), sqr.view()}, cfg);
@@ -110,8 +119,10 @@ struct QkvProblem {
 // packed: pass the load-time copies (packed wq_b, transposed wq_a | wkv: LayerWeightsStorage::pack
 // makes them in the step); the "_unpacked" variant runs the AVX-VNNI tier on the plain wq_b for
 // comparison, "_fma" pins Bf16Dot::fma (the 512-bit FMA x_n · [wq_a | wkv], every tier's bits)
-// where the automatic choice is vdpbf16ps.
-void bm_qkv(benchmark::State& state, td::ModelConfig cfg, bool packed, td::cpu::Bf16Dot bf16_dot) {
+// where the automatic choice is vdpbf16ps; "_unchecked" passes the transposed rows without their
+// norms (no q-latent rounding check: its cost, against qkv_projection_flash).
+void bm_qkv(benchmark::State& state, td::ModelConfig cfg, bool packed, td::cpu::Bf16Dot bf16_dot,
+            bool checked) {
   const index_t T = state.range(0);
   const int threads = int(state.range(1));
   QkvProblem p(cfg, T);
@@ -122,7 +133,7 @@ void bm_qkv(benchmark::State& state, td::ModelConfig cfg, bool packed, td::cpu::
   double cpu = 0;
   for (auto _ : state) {
     const double c0 = tdbench::process_cpu_seconds();
-    p.run(ctx, k, packed);
+    p.run(ctx, k, packed, checked);
     cpu += tdbench::process_cpu_seconds() - c0;
     k = (k + 1) % QkvProblem::kCopies;
     benchmark::DoNotOptimize(p.q.data());
@@ -163,20 +174,25 @@ void bm_qkv(benchmark::State& state, td::ModelConfig cfg, bool packed, td::cpu::
 
 const int kRegistered = [] {
   auto* f = benchmark::RegisterBenchmark("qkv_projection_flash", bm_qkv, td::flash_config(), true,
-                                         td::cpu::Bf16Dot::automatic);
+                                         td::cpu::Bf16Dot::automatic, true);
   for (int threads : {1, 2})
     // T = B·S: B = 4 .. 32 at S = 2, and the large batches up to B = 256 (S = 2) / 64 (S = 8).
     for (int T : {8, 16, 32, 64, 128, 256, 512}) f->Args({T, threads});
   f->ArgNames({"T", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
   if (td::kernels::qkv_bf16_rows_useful()) {
     auto* g = benchmark::RegisterBenchmark("qkv_projection_flash_fma", bm_qkv, td::flash_config(),
-                                           true, td::cpu::Bf16Dot::fma);
+                                           true, td::cpu::Bf16Dot::fma, true);
     for (int T : {8, 128, 512}) g->Args({T, 1});
     g->ArgNames({"T", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
+    auto* u =
+        benchmark::RegisterBenchmark("qkv_projection_flash_unchecked", bm_qkv, td::flash_config(),
+                                     true, td::cpu::Bf16Dot::automatic, false);
+    for (int threads : {1, 2}) u->Args({8, threads});
+    u->Args({128, 1})->ArgNames({"T", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
   }
   // Bf16Dot::exact: x_n · [wq_a | wkv] summed in double (golden's bits; issue 17), every tier.
   benchmark::RegisterBenchmark("qkv_projection_flash_exact", bm_qkv, td::flash_config(), true,
-                               td::cpu::Bf16Dot::exact)
+                               td::cpu::Bf16Dot::exact, true)
       ->Args({8, 1})
       ->Args({8, 2})
       ->Args({128, 1})
@@ -184,13 +200,13 @@ const int kRegistered = [] {
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("qkv_projection_flash_unpacked", bm_qkv, td::flash_config(), false,
-                               td::cpu::Bf16Dot::automatic)
+                               td::cpu::Bf16Dot::automatic, true)
       ->Args({8, 1})
       ->ArgNames({"T", "threads"})
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("qkv_projection_pro", bm_qkv, td::pro_config(), true,
-                               td::cpu::Bf16Dot::automatic)
+                               td::cpu::Bf16Dot::automatic, true)
       ->Args({8, 1})
       ->ArgNames({"T", "threads"})
       ->UseRealTime()
