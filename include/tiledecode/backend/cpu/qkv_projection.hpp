@@ -388,11 +388,8 @@ struct backend_ops_qkv_projection {
     const index_t QL = a.cfg->q_lora;
     const QkvScratch& s = a.s;
     float* cq = s.cq.data() + t * s.cq.stride(0);
-    if (lane.check) {
-      check_q_latent(a, t, cq);
-    } else {
-      kernels::rmsnorm_row_f64(cq, a.w.gamma_cq.data(), QL, a.cfg->rms_eps, I);
-    }
+    const double r = kernels::rmsnorm_row_f64(cq, a.w.gamma_cq.data(), QL, a.cfg->rms_eps, I);
+    if (lane.check) check_q_latent(a, t, cq, r);
     std::int8_t* qrt = a.qr.data() + t * a.qr.stride(0);
     a.qr_scale(t) = quantize_q8_row(I, qrt, cq, QL);
     if (vnni(a)) {
@@ -407,17 +404,14 @@ struct backend_ops_qkv_projection {
       }
     }
   }
-  // cq = rmsnorm(d) · gamma_cq as rmsnorm_row_f64 computes it, then the listed values repaired.
-  static void check_q_latent(const kernels::QkvArgs& a, index_t t, float* cq) {
+  // The listed values of cq = float(d · r · gamma_cq) (rmsnorm_row_f64's, r its factor) repaired.
+  static void check_q_latent(const kernels::QkvArgs& a, index_t t, float* cq, double r) {
     const index_t QL = a.cfg->q_lora, D = a.cfg->hidden;
     const bf16* g = a.w.gamma_cq.data();
-    const double r =
-        1.0 / std::sqrt(kernels::sum_squares_f64(cq, QL, I) / double(QL) + double(a.cfg->rms_eps));
     // Per value the factor of the bound's κ · 2^-24 · max|x|: r · |gamma_n| · |wq_a[:, n]|.
     float eff[kMaxCheckedQLora];
     float emax = 0.0f;
     for (index_t n = 0; n < QL; ++n) {
-      cq[n] = float(double(cq[n]) * r * double(g[n].to_float()));
       eff[n] = float(r * std::fabs(double(g[n].to_float())) * double(a.w.bf16_rows->norm[n]) *
                      (1.0 + 0x1p-20));
       emax = std::max(emax, eff[n]);

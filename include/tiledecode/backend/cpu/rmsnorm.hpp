@@ -23,10 +23,12 @@ inline double sum_squares_f64(const float* x, std::int64_t n, cpu::Isa /*isa*/) 
   return ss;
 }
 
-// x[i] ← float(x[i] * r * w[i]) with r = 1/sqrt(mean(x^2) + eps), in double, over n FP32 values.
-inline void rmsnorm_row_f64(float* x, const bf16* w, std::int64_t n, float eps, cpu::Isa isa) {
+// x[i] ← float(x[i] * r * w[i]) with r = 1/sqrt(mean(x^2) + eps), in double, over n FP32 values;
+// returns r (the q-latent's rounding check repairs values with it).
+inline double rmsnorm_row_f64(float* x, const bf16* w, std::int64_t n, float eps, cpu::Isa isa) {
   const double r = 1.0 / std::sqrt(sum_squares_f64(x, n, isa) / double(n) + double(eps));
   for (std::int64_t i = 0; i < n; ++i) x[i] = float(double(x[i]) * r * double(w[i].to_float()));
+  return r;
 }
 
 }  // namespace tiledecode::kernels
