@@ -2,9 +2,11 @@
 // one whole SWA / CSA / HCA layer step against the golden layer (spec §4, §9.2, §10.2).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -483,6 +485,52 @@ TEST(QkvProjection, Avx512Bf16RowsMatchGoldenAndAreBatchInvariant) {
     EXPECT_NE(std::string(e.what()).find("w.bf16_rows->hidden"), std::string::npos) << e.what();
   }
   EXPECT_EQ(o.q.data()[0].bits, 0x5555) << "nothing written before the throw";
+}
+
+// wq_a_norm (the q-latent's rounding check) is validated before anything is written: extent
+// Q_LORA, every value >= 0 (NaN and negative rejected, naming the element; +Inf accepted: that
+// column trusts nothing); qkv_wq_a_norms bounds each column's norm from above (within a few FP32
+// ulps) and gives +Inf to a column with a NaN.
+TEST(QkvProjection, RoundingCheckRejectsBadNorms) {
+  QkvFixture f(td::flash_config(), 2, 35);
+  const index_t D = f.cfg.hidden, QL = f.cfg.q_lora;
+  const td::Tensor<float, 1> good = td::kernels::qkv_wq_a_norms(f.wq_a.view());
+  for (index_t n : {index_t(0), index_t(511), QL - 1}) {
+    double ss = 0.0;
+    for (index_t k = 0; k < D; ++k)
+      ss += double(f.wq_a.view()(k, n).to_float()) * f.wq_a.view()(k, n).to_float();
+    EXPECT_GE(double(good.view()(n)), std::sqrt(ss)) << n;
+    EXPECT_LE(double(good.view()(n)), std::sqrt(ss) * (1.0 + 0x1p-21)) << n;
+  }
+  const auto expect_rejected = [&](td::ConstView<float, 1> norm, const char* want) {
+    QkvOut o(f.cfg, f.T);
+    std::memset(static_cast<void*>(o.q.data()), 0x55, o.q.size() * 2);
+    std::memset(static_cast<void*>(o.qr.data()), 0x55, o.qr.size());
+    try {
+      run_qkv(f, o, td::cpu::make_context(nullptr), nullptr, nullptr, 0, -1, norm);
+      ADD_FAILURE() << want << ": no throw";
+    } catch (const td::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(o.q.data()[0].bits, 0x5555) << want << ": written before the throw";
+    EXPECT_EQ(o.qr.data()[o.qr.size() - 1], 0x55) << want << ": written before the throw";
+  };
+  td::Tensor<float, 1> shape({QL + 1});
+  expect_rejected(shape.view(), "w.wq_a_norm");
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), -1.0f, -0.5e-30f}) {
+    td::Tensor<float, 1> n = good;
+    n.view()(QL - 3) = bad;
+    expect_rejected(n.view(), "w.wq_a_norm[1021]");
+  }
+  td::Tensor<float, 1> inf = good;
+  inf.view()(3) = std::numeric_limits<float>::infinity();
+  QkvOut o(f.cfg, f.T);
+  EXPECT_NO_THROW(
+      run_qkv(f, o, td::cpu::make_context(nullptr), nullptr, nullptr, 0, -1, inf.view()));
+  f.wq_a.view()(100, 9) = bf16(std::numeric_limits<float>::quiet_NaN());
+  const td::Tensor<float, 1> nn = td::kernels::qkv_wq_a_norms(f.wq_a.view());
+  EXPECT_EQ(nn.view()(9), std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isfinite(nn.view()(10)));
 }
 
 TEST(QkvProjection, ProShapesMatchGolden) {

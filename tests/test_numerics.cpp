@@ -227,8 +227,9 @@ TEST(ExactDots, EveryTierAndShapeIsTheSequentialDoubleSum) {
   EXPECT_EQ(cases, shapes * int(tiers().size()));
 }
 
-// The o-proj's rounding repairs (bf16_pair_dots_exact): n <= kPairDots independent pairs, each
-// bf16_dot_exact's sequential double sum, bit for bit, on every tier this CPU has: n around the
+// The rounding checks' repairs (bf16_pair_dots_exact): n <= kPairDots independent pairs, each
+// bf16_dot_exact's sequential double sum, bit for bit, on every tier this CPU has, the weights as
+// rows and as columns of a matrix (a stride: the q-latent's repairs from wq_a): n around the
 // two 8-pair vectors of the avx512 kernel (1, 7, 8, 9, 16), d around its 8-k blocks and the
 // 64-k blocks of the other tiers (1, 7, 8, 9, 63, 64, 65, 513, 4096), the planted order-sensitive
 // products of the test above in every other case, zeros, subnormals, ±Inf and NaN in the others.
@@ -261,18 +262,33 @@ TEST(ExactDots, PairDotsAreTheSequentialDoubleSumOnEveryTier) {
           w[std::size_t(m.next() % w.size())].bits = bits[(i + 3) % 6];
         }
       }
-      for (Isa isa : tiers()) {
-        std::vector<double> s(static_cast<std::size_t>(n), -1.0);
-        td::cpu::bf16_pair_dots_exact(isa, n, xp.data(), wp.data(), d, s.data());
-        long bad = 0;
-        for (int j = 0; j < n; ++j) {
-          const double e = td::cpu::bf16_dot_exact(xp[std::size_t(j)], wp[std::size_t(j)], d);
-          const double a = s[std::size_t(j)];
-          bad += std::isnan(e) ? !std::isnan(a)
-                               : std::bit_cast<std::uint64_t>(a) != std::bit_cast<std::uint64_t>(e);
-        }
-        EXPECT_EQ(bad, 0) << name(isa) << " n " << n << " d " << d;
+      // The same weights as columns of a (d, P) matrix (the q-latent's repairs from wq_a): pair j
+      // reads column 2j + 1 (every other one: neighbours share cache lines), P odd.
+      const index_t P = 2 * n + 3;
+      std::vector<bf16> wc(std::size_t(d * P), bf16(7.0f));
+      std::vector<const bf16*> cp(static_cast<std::size_t>(n));
+      for (int j = 0; j < n; ++j) {
+        cp[std::size_t(j)] = wc.data() + 2 * j + 1;
+        for (index_t k = 0; k < d; ++k) wc[std::size_t(k * P + 2 * j + 1)] = wp[std::size_t(j)][k];
       }
+      for (Isa isa : tiers())
+        for (bool cols : {false, true}) {
+          std::vector<double> s(static_cast<std::size_t>(n), -1.0);
+          if (cols)
+            td::cpu::bf16_pair_dots_exact(isa, n, xp.data(), cp.data(), d, s.data(), P);
+          else
+            td::cpu::bf16_pair_dots_exact(isa, n, xp.data(), wp.data(), d, s.data());
+          long bad = 0;
+          for (int j = 0; j < n; ++j) {
+            const double e = td::cpu::bf16_dot_exact(xp[std::size_t(j)], wp[std::size_t(j)], d);
+            const double a = s[std::size_t(j)];
+            bad += std::isnan(e)
+                       ? !std::isnan(a)
+                       : std::bit_cast<std::uint64_t>(a) != std::bit_cast<std::uint64_t>(e);
+          }
+          EXPECT_EQ(bad, 0) << name(isa) << (cols ? " columns" : " rows") << " n " << n << " d "
+                            << d;
+        }
       ++cases;
     }
   EXPECT_EQ(cases, 45);

@@ -366,8 +366,9 @@ TEST(Oproj, RoundingCheckPastItsRowQuotaStaysWithinTolerance) {
 // scaled interval holds a midpoint (v = 10.5 + 6e-4) and a value that can be the largest after
 // repair (100 - 4.7e-4); not listed: v = 10.5 + 3e-3, 100 - 0.01, and values near integers
 // (v = i + 0.02). With κ = 0 the first two are missed: the bound's term is what this test pins.
-// A row with a NaN in o, or an Inf in x, is not checked; an all-zero row lists nothing (its Q8
-// scale is the floor's, whatever the repairs).
+// Without exact_scale (the q-latent) the largest's candidates are listed only in a row that lists
+// a midpoint value too. A row with a NaN in o, or an Inf in x, is not checked; an all-zero row
+// lists nothing (its Q8 scale is the floor's, whatever the repairs).
 TEST(Oproj, RoundingCheckListsTheValuesItsWindowCannotDecide) {
   namespace oc = td::cpu::rounding_check;
   constexpr index_t R = 64, K = 8;
@@ -383,24 +384,39 @@ TEST(Oproj, RoundingCheckListsTheValuesItsWindowCannotDecide) {
   o[12] = (10.5f + 3e-3f) / sq;  // not listed
   for (auto isa : isas()) {
     SCOPED_TRACE(td::cpu::to_string(isa));
-    oc::Repairs rep;
-    oc::check_row(isa, x.data(), K, o.data(), nrm.data(), R, 1000.0f, 3, rep);
-    std::vector<index_t> listed;
-    for (int i = 0; i < rep.n; ++i) {
-      EXPECT_EQ(rep.t[i], 3);
-      listed.push_back(rep.r[i]);
-    }
-    EXPECT_EQ(listed, (std::vector<index_t>{0, 5, 9}));
+    const auto list = [&](const std::vector<float>& row, bool exact_scale) {
+      oc::Repairs rep;
+      oc::check_row(isa, x.data(), K, row.data(), nrm.data(), R, 1000.0f, 3, rep, exact_scale);
+      std::vector<index_t> listed;
+      for (int i = 0; i < rep.n; ++i) {
+        EXPECT_EQ(rep.t[i], 3);
+        listed.push_back(rep.r[i]);
+      }
+      return listed;
+    };
+    EXPECT_EQ(list(o, true), (std::vector<index_t>{0, 5, 9}));
+    EXPECT_EQ(list(o, false), (std::vector<index_t>{0, 5, 9}));
+    // Without a value near a midpoint the largest candidates are listed only for an exact scale.
+    auto decided = o;
+    decided[9] = (10.5f + 3e-3f) / sq;
+    EXPECT_EQ(list(decided, true), (std::vector<index_t>{0, 5}));
+    EXPECT_EQ(list(decided, false), (std::vector<index_t>{}));
+    // A midpoint value in the last chunk (pass 0 searches the whole row).
+    decided[R - 1] = (-20.5f - 6e-4f) / sq;
+    EXPECT_EQ(list(decided, false), (std::vector<index_t>{0, 5, R - 1}));
     auto nan_o = o;
     nan_o[40] = std::numeric_limits<float>::quiet_NaN();
     oc::Repairs none;
-    oc::check_row(isa, x.data(), K, nan_o.data(), nrm.data(), R, 1000.0f, 0, none);
-    auto inf_x = x;
-    inf_x[K - 1] = bf16(std::numeric_limits<float>::infinity());
-    oc::check_row(isa, inf_x.data(), K, o.data(), nrm.data(), R, 1000.0f, 0, none);
-    const std::vector<bf16> zero_x(K, bf16(0.0f));  // an all-zero row: nothing to decide
-    const std::vector<float> zero_o(R, 0.0f);
-    oc::check_row(isa, zero_x.data(), K, zero_o.data(), nrm.data(), R, 1000.0f, 0, none);
+    for (bool exact_scale : {true, false}) {
+      oc::check_row(isa, x.data(), K, nan_o.data(), nrm.data(), R, 1000.0f, 0, none, exact_scale);
+      auto inf_x = x;
+      inf_x[K - 1] = bf16(std::numeric_limits<float>::infinity());
+      oc::check_row(isa, inf_x.data(), K, o.data(), nrm.data(), R, 1000.0f, 0, none, exact_scale);
+      const std::vector<bf16> zero_x(K, bf16(0.0f));  // an all-zero row: nothing to decide
+      const std::vector<float> zero_o(R, 0.0f);
+      oc::check_row(isa, zero_x.data(), K, zero_o.data(), nrm.data(), R, 1000.0f, 0, none,
+                    exact_scale);
+    }
     EXPECT_EQ(none.n, 0);
   }
 }

@@ -37,13 +37,17 @@
 //     from golden on every tier, where the same dots without it give 604–606 and 3–6. Bar 0: the
 //     check recomputes as golden does every value whose interval (κ = 16 times the largest error
 //     measured, 1.9 · 2^-24 · max|x| · |w_r|) could hold a Q8 decision.
-//   * The same check on the q-latent (QkvWeights::bf16_rows with norms): qr 0 / 524288 off the
-//     exact cq's Q8 on every tier, where the same dots without it give 1 (avx512/dpbf16: 2).
+//   * The same check on the q-latent (QkvWeights::wq_a_norm; its repairs from the transposed rows
+//     or from wq_a's columns): qr 0 / 524288 off the exact cq's Q8 on every tier, where the same
+//     dots without it give 1 (avx512/dpbf16: 2), and the q of the tokens those flip is golden's
+//     bytes (without it 10630 of 98304 differ).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -239,19 +243,27 @@ TEST(rounding, QkvProjectionQLatentAndKvRoundAsTheExactValues) {
 
   // Every tier on its FMA order (one bits), and the avx512 tier's vdpbf16ps x_n · [wq_a | wkv]
   // (Bf16Dot::dpbf16 with the transposed copy QkvWeights::bf16_rows) where it runs.
+  // Each also with the q-latent's rounding check (wq_a_norm, as the decode step runs them): qr
+  // then is golden's, and so is q (its per-head RMSNorm undoes qr_scale's error).
   struct Path {
     Isa isa;
     td::cpu::Bf16Dot bf16;
     std::string name;
+    bool checked = false;
   };
   std::vector<Path> paths;
   for (Isa isa : td::cpu::supported_isas())
-    paths.push_back({isa, td::cpu::Bf16Dot::fma, std::string(td::cpu::to_string(isa))});
+    for (bool chk : {false, true})
+      paths.push_back({isa, td::cpu::Bf16Dot::fma,
+                       std::string(td::cpu::to_string(isa)) + (chk ? "+check" : ""), chk});
   td::QkvBf16Rows rows;
   if (td::cpu::cpu_supports(Isa::avx512)) {
     rows = td::kernels::pack_qkv_bf16_rows(c, f.wq_a.view(), f.wkv.view());
-    paths.push_back({Isa::avx512, td::cpu::Bf16Dot::dpbf16, "avx512/dpbf16"});
+    for (bool chk : {false, true})
+      paths.push_back({Isa::avx512, td::cpu::Bf16Dot::dpbf16,
+                       chk ? "avx512/dpbf16+check" : "avx512/dpbf16", chk});
   }
+  const td::Tensor<float, 1> norm = td::kernels::qkv_wq_a_norms(f.wq_a.view());
   // Bf16Dot::exact on every tier: golden's dots, rounded once to FP32 before the double epilogue
   // (golden normalises its unrounded double sums): within half an FP32 ulp of golden's cq.
   for (Isa isa : td::cpu::supported_isas())
@@ -262,8 +274,10 @@ TEST(rounding, QkvProjectionQLatentAndKvRoundAsTheExactValues) {
     SCOPED_TRACE(tier);
     tdtest::QkvOut o(c, f.T);
     td::ThreadPool pool(2);
-    tdtest::run_qkv(f, o, td::cpu::Context{&pool, path.isa, path.bf16}, nullptr,
-                    path.bf16 == td::cpu::Bf16Dot::dpbf16 ? &rows : nullptr);
+    tdtest::run_qkv(
+        f, o, td::cpu::Context{&pool, path.isa, path.bf16}, nullptr,
+        path.bf16 == td::cpu::Bf16Dot::dpbf16 ? &rows : nullptr, 0, -1,
+        path.checked ? td::ConstView<float, 1>(norm.view()) : td::ConstView<float, 1>{});
     Rate qr, qs, kv, q;
     for (std::size_t i = 0; i < o.qr.size(); ++i) qr.add(o.qr.data()[i] != g.qr.data()[i]);
     for (std::size_t i = 0; i < o.qr_scale.size(); ++i)
@@ -279,6 +293,10 @@ TEST(rounding, QkvProjectionQLatentAndKvRoundAsTheExactValues) {
       EXPECT_LE(qr.rate(), kExactBar);
       EXPECT_LE(kv.rate(), kExactBar);
       EXPECT_LE(q.rate(), kExactBar);
+    } else if (path.checked) {
+      EXPECT_LE(qr.rate(), kExactBar);
+      EXPECT_LE(kv.rate(), kBf16DotBar);
+      EXPECT_LE(q.rate(), kExactBar);
     } else {
       EXPECT_LE(qr.rate(), kQ8Bar);
       EXPECT_LE(kv.rate(), kBf16DotBar);
@@ -287,11 +305,12 @@ TEST(rounding, QkvProjectionQLatentAndKvRoundAsTheExactValues) {
   }
 }
 
-// The q-latent's rounding check (QkvWeights::bf16_rows with its norms; backend/cpu/
-// qkv_projection.hpp): qr = Q8(cq) against Q8 of golden's cq (the exact dots in double, their
-// double RMS norm, one rounding to FP32), over 512 tokens (524288 values) on every tier, with the
-// check and without it (the same tier's dots, no rows). Q8 is scale-invariant, so the kernel's r
-// (from its FP32 dots) leaves the decisions golden's; qr_scale (FP32, scaled by r) is not compared.
+// The q-latent's rounding check (QkvWeights::wq_a_norm; backend/cpu/qkv_projection.hpp): qr =
+// Q8(cq) against Q8 of golden's cq (the exact dots in double, their double RMS norm, one rounding
+// to FP32), over 512 tokens (524288 values) on every tier, with the check (its repairs from the
+// transposed rows and from wq_a's columns) and without it (the same dots). Q8 is scale-invariant,
+// so the kernel's r (from its FP32 dots) leaves the decisions golden's; qr_scale (FP32, scaled by
+// r) is not compared.
 TEST(rounding, QLatentWithTheRoundingCheckRoundsAsTheExactValue) {
   const tdtest::QkvFixture f(td::flash_config(), 512, 29);
   const td::ModelConfig& c = f.cfg;
@@ -317,28 +336,76 @@ TEST(rounding, QLatentWithTheRoundingCheckRoundsAsTheExactValue) {
     }
   }
   const td::QkvBf16Rows rows = td::kernels::pack_qkv_bf16_rows(c, f.wq_a.view(), f.wkv.view());
-  td::QkvBf16Rows bare = td::kernels::pack_qkv_bf16_rows(c, f.wq_a.view(), f.wkv.view());
-  bare.norm = td::Buffer<float>();  // the rows without their norms: no check
-  // Every tier on its FMA dots (the rows read only by the check), and the avx512 tier's
-  // vdpbf16ps dots on the rows (Bf16Dot::dpbf16) where it runs.
-  std::vector<std::pair<Isa, td::cpu::Bf16Dot>> paths;
-  for (Isa isa : td::cpu::supported_isas()) paths.push_back({isa, td::cpu::Bf16Dot::fma});
-  if (td::cpu::cpu_supports(Isa::avx512)) paths.push_back({Isa::avx512, td::cpu::Bf16Dot::dpbf16});
-  for (const auto& [isa, dot] : paths) {
-    const std::string tier =
-        std::string(td::cpu::to_string(isa)) + (dot == td::cpu::Bf16Dot::dpbf16 ? "/dpbf16" : "");
+  const td::Tensor<float, 1> norm = td::kernels::qkv_wq_a_norms(f.wq_a.view());
+  // Every tier on its FMA dots, its repairs read from wq_a's columns (no rows: AVX2-only and
+  // Intel CPUs) and from the transposed rows; and the avx512 tier's vdpbf16ps dots on the rows
+  // (Bf16Dot::dpbf16) where it runs. Unchecked: the same dots without wq_a_norm.
+  struct Path {
+    Isa isa;
+    td::cpu::Bf16Dot dot;
+    bool rows;
+  };
+  std::vector<Path> paths;
+  for (Isa isa : td::cpu::supported_isas())
+    for (bool r : {false, true}) paths.push_back({isa, td::cpu::Bf16Dot::fma, r});
+  // q against golden's (golden::qkv_projection, a token at a time) on the first and last token and
+  // on each token whose qr the path flips without the check: with it, q must be golden's bytes
+  // there (its qr is golden's, and the per-head RMSNorm undoes qr_scale's relative error, r's and
+  // amax's), where without it q differs (one flipped qr value moves its token's q).
+  const index_t HQ = index_t(c.n_heads) * c.head_dim;
+  std::map<index_t, std::vector<std::uint16_t>> q_golden;
+  const auto golden_q = [&](index_t t) -> const std::vector<std::uint16_t>& {
+    auto it = q_golden.find(t);
+    if (it != q_golden.end()) return it->second;
+    tdtest::QkvOut g(c, 1);
+    td::golden::qkv_projection(g.q.view(), g.kv.view(), g.qr.view(), g.qr_scale.view(),
+                               td::ConstView<bf16, 2>(f.x_n.view()).slice(0, t, t + 1), f.weights(),
+                               f.rope.view(),
+                               td::ConstView<std::int32_t, 1>(f.pos.view()).slice(0, t, t + 1), c);
+    EXPECT_EQ(0, std::memcmp(g.qr.data(), exact.data() + t * QL, std::size_t(QL)))
+        << "golden's qr, token " << t;
+    std::vector<std::uint16_t>& v = q_golden[t];
+    for (index_t j = 0; j < HQ; ++j) v.push_back(g.q.data()[j].bits);
+    return v;
+  };
+  if (td::cpu::cpu_supports(Isa::avx512))
+    paths.push_back({Isa::avx512, td::cpu::Bf16Dot::dpbf16, true});
+  for (const Path& p : paths) {
+    const std::string tier = std::string(td::cpu::to_string(p.isa)) +
+                             (p.dot == td::cpu::Bf16Dot::dpbf16 ? "/dpbf16" : "") +
+                             (p.rows ? ", repairs from the rows" : ", repairs from the columns");
     Rate checked, unchecked;
+    std::vector<index_t> q_tokens{0, f.T - 1};
+    long q_off[2] = {};  // [with]: q values of q_tokens off golden's
     for (bool with : {false, true}) {
       tdtest::QkvOut o(c, f.T);
       td::ThreadPool pool(2);
-      tdtest::run_qkv(f, o, td::cpu::Context{&pool, isa, dot}, nullptr, with ? &rows : &bare);
+      tdtest::run_qkv(f, o, td::cpu::Context{&pool, p.isa, p.dot}, nullptr,
+                      p.rows ? &rows : nullptr, 0, -1,
+                      with ? td::ConstView<float, 1>(norm.view()) : td::ConstView<float, 1>{});
       Rate& r = with ? checked : unchecked;
-      for (std::size_t i = 0; i < exact.size(); ++i) r.add(o.qr.data()[i] != exact[i]);
+      for (std::size_t i = 0; i < exact.size(); ++i) {
+        r.add(o.qr.data()[i] != exact[i]);
+        const index_t t = index_t(i) / QL;
+        if (!with && o.qr.data()[i] != exact[i] &&
+            std::find(q_tokens.begin(), q_tokens.end(), t) == q_tokens.end())
+          q_tokens.push_back(t);
+      }
+      for (index_t t : q_tokens) {
+        const std::vector<std::uint16_t>& g = golden_q(t);
+        for (index_t j = 0; j < HQ; ++j) q_off[with] += o.q.data()[t * HQ + j].bits != g[j];
+      }
     }
     report("qr, no check", tier, unchecked);
     report("qr, rounding check", tier, checked);
+    std::printf(
+        "  q of %zu tokens off golden's (the ends, each flipped qr's): %ld without the "
+        "check, %ld with\n",
+        q_tokens.size(), q_off[0], q_off[1]);
     EXPECT_EQ(checked.diff, 0) << tier;
     EXPECT_GT(unchecked.diff, 0) << tier << ": the data no longer flip a value without the check";
+    EXPECT_EQ(q_off[1], 0) << tier;
+    EXPECT_GT(q_off[0], 0) << tier << ": a flipped qr no longer moves its token's q";
   }
 }
 

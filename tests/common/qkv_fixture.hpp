@@ -68,10 +68,11 @@ struct QkvOut {
 };
 
 // Tokens [t0, t1) of the fixture (t1 < 0: to the end) into the same rows of o, in one call:
-// `packed` and `bf16_rows` are the optional load-time copies of QkvWeights.
+// `packed`, `bf16_rows` and `wq_a_norm` are the optional load-time preparations of QkvWeights.
 inline void run_qkv(const QkvFixture& f, QkvOut& o, const td::cpu::Context& ctx,
                     const td::QkvPackedWqB* packed = nullptr,
-                    const td::QkvBf16Rows* bf16_rows = nullptr, index_t t0 = 0, index_t t1 = -1) {
+                    const td::QkvBf16Rows* bf16_rows = nullptr, index_t t0 = 0, index_t t1 = -1,
+                    td::ConstView<float, 1> wq_a_norm = {}) {
   const auto& c = f.cfg;
   if (t1 < 0) t1 = f.T;
   const index_t n = t1 - t0;
@@ -80,6 +81,7 @@ inline void run_qkv(const QkvFixture& f, QkvOut& o, const td::cpu::Context& ctx,
   td::QkvWeights w = f.weights();
   w.wq_b_packed = packed;
   w.bf16_rows = bf16_rows;
+  w.wq_a_norm = wq_a_norm;
   td::kernels::qkv_projection(
       ctx, o.q.view().slice(0, t0, t1), o.kv.view().slice(0, t0, t1), o.qr.view().slice(0, t0, t1),
       o.qr_scale.view().slice(0, t0, t1), td::ConstView<bf16, 2>(f.x_n.view()).slice(0, t0, t1), w,

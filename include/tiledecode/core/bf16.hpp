@@ -51,7 +51,7 @@ constexpr float round_bf16(float f) {
 // of the exact sum, and its square root, raised by 2^-30 and rounded one FP32 ulp up from the
 // nearest, stays above the exact norm. A norm past FLT_MAX, and a NaN anywhere, give +Inf (a bound
 // that trusts nothing). The rounding checks' row scales (kernels::output_projection_row_norms,
-// kernels::pack_qkv_bf16_rows), made once at load time.
+// kernels::qkv_wq_a_norms), made once at load time.
 inline float bf16_norm_bound(const bf16* w, std::int64_t n, std::int64_t stride = 1) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   double s = 0.0;

@@ -116,6 +116,10 @@ struct LayerWeightsStorage {
   // pack(): the scale of the CPU o-proj's rounding check, which makes the default BF16 dots give
   // golden's Q8 activations (O_GROUPS·O_LORA floats, not counted in bytes()).
   Tensor<float, 2> wo_a_norm;
+  // Per wq_a column an upper bound of its norm (kernels::qkv_wq_a_norms), filled by pack(): the
+  // scale of the CPU q-latent's rounding check, which makes the default BF16 dots give golden's
+  // qr (Q_LORA floats, not counted in bytes()).
+  Tensor<float, 1> wq_a_norm;
 
   LayerWeightsStorage() = default;
   LayerWeightsStorage(const ModelConfig& cfg, LayerKind k) : kind(k) {
@@ -172,6 +176,7 @@ struct LayerWeightsStorage {
     w.wo_b = wo_b.view();
     w.wo_b_scale = wo_b_scale.view();
     if (wo_a_norm.size() > 0) w.wo_a_norm = wo_a_norm.view();
+    if (wq_a_norm.size() > 0) w.qkv.wq_a_norm = wq_a_norm.view();
     w.compressor = {cmp_wkv.view(), cmp_wgate.view(), cmp_ape.view(), cmp_norm_w.view()};
     w.indexer = {idx_wq_b.view(),
                  idx_wq_b_scale.view(),
@@ -184,10 +189,11 @@ struct LayerWeightsStorage {
 
   // Load-time preparation after the weights are filled: packs wq_b for the VNNI q/kv projection
   // (only where the CPU has AVX-VNNI or AVX-512), transposes wq_a | wkv for the vdpbf16ps one
-  // (only where that is the automatic choice), bounds wo_a's row norms (the o-proj's rounding
-  // check) and packs the indexer query weights (CSA).
+  // (only where that is the automatic choice), bounds wo_a's row norms and wq_a's column norms
+  // (the o-proj's and the q-latent's rounding checks) and packs the indexer query weights (CSA).
   void pack(const ModelConfig& cfg) {
     wo_a_norm = kernels::output_projection_row_norms(wo_a.view());
+    wq_a_norm = kernels::qkv_wq_a_norms(wq_a.view());
     if (cpu::cpu_supports(cpu::Isa::avx2_vnni) || cpu::cpu_supports(cpu::Isa::avx512))
       wq_b_packed = kernels::pack_qkv_wq_b(cfg, wq_b.view());
     if (kernels::qkv_bf16_rows_useful())

@@ -61,10 +61,6 @@ struct QkvBf16Rows {
   index_t q_rows = 0;   // Q_LORA
   index_t kv_rows = 0;  // HEAD_DIM
   Buffer<bf16> data;    // ((Q_LORA + HEAD_DIM), D)
-  // Per row an upper bound of its Euclidean norm (FP32, rounded up; +Inf for a row with a NaN), or
-  // empty: the CPU backend's q-latent rounding check (backend/cpu/qkv_projection.hpp), which
-  // recomputes from these rows the cq values whose Q8 rounding the FP32 sums cannot decide.
-  Buffer<float> norm;  // (Q_LORA + HEAD_DIM) or empty
 };
 
 // The q/kv projection weights of one layer (spec §2 layouts, used as x @ W).
@@ -81,6 +77,11 @@ struct QkvWeights {
   // present (vdpbf16ps: another summation order, within the spec's tolerances and the rounding
   // bars); without it that tier runs the 512-bit FMA kernel (every tier's bits).
   const QkvBf16Rows* bf16_rows = nullptr;
+  // Optional: per column of wq_a an upper bound of its Euclidean norm (qkv_wq_a_norms), each >= 0
+  // (+Inf: a bound that trusts nothing). Given it, the CPU backend's q-latent rounding check
+  // (backend/cpu/qkv_projection.hpp) recomputes as golden does the cq values whose Q8 rounding
+  // the default FP32 dots cannot decide, from bf16_rows where present, else from wq_a's columns.
+  ConstView<float, 1> wq_a_norm = {};  // (Q_LORA)
 };
 
 // Caller scratch of qkv_projection (FP32 / INT32, T rows), plus `extra` bytes for backends that
@@ -162,14 +163,24 @@ inline void validate(const QkvArgs& a) {
     check_equal(where, "w.bf16_rows->q_rows", r->q_rows, QL);
     check_equal(where, "w.bf16_rows->kv_rows", r->kv_rows, HD);
     check_equal(where, "w.bf16_rows->data.size()", index_t(r->data.size()), (QL + HD) * D);
-    if (r->norm.size() != 0) {
-      check_equal(where, "w.bf16_rows->norm.size()", index_t(r->norm.size()), QL + HD);
-      for (index_t n = 0; n < QL + HD; ++n)
-        if (!(r->norm[std::size_t(n)] >= 0.0f))  // NaN or negative (+Inf: a bound)
-          throw_arg(where, nth_name("w.bf16_rows->norm", n), r->norm[std::size_t(n)],
-                    "a value >= 0 (pack_qkv_bf16_rows)");
-    }
   }
+  if (a.w.wq_a_norm.data() != nullptr) {
+    check_extents(where, "w.wq_a_norm", a.w.wq_a_norm, {QL});
+    for (index_t n = 0; n < QL; ++n)
+      if (!(a.w.wq_a_norm(n) >= 0.0f))  // NaN or negative (+Inf: a bound)
+        throw_arg(where, nth_name("w.wq_a_norm", n), a.w.wq_a_norm(n),
+                  "a value >= 0 (qkv_wq_a_norms)");
+  }
+}
+
+// Per column n of wq_a (D, Q_LORA) an upper bound of its Euclidean norm (bf16_norm_bound: FP32,
+// rounded up; +Inf past FLT_MAX or for a column with a NaN): QkvWeights::wq_a_norm. A load-time
+// preparation (decode/layer.hpp LayerWeightsStorage::pack) that reads wq_a a column at a time.
+inline Tensor<float, 1> qkv_wq_a_norms(ConstView<bf16, 2> wq_a) {
+  const index_t D = wq_a.extent(0), QL = wq_a.extent(1);
+  Tensor<float, 1> r({QL});
+  for (index_t n = 0; n < QL; ++n) r.data()[n] = bf16_norm_bound(&wq_a(0, n), D, wq_a.stride(0));
+  return r;
 }
 
 // The tile program (both backends).

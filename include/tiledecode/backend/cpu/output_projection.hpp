@@ -311,7 +311,7 @@ struct backend_ops_output_projection {
     rounding_check::Repairs rep;
     for (int t = 0; t < nt; ++t)
       rounding_check::check_row(I, &x.o_packed(g * T + t0 + t, 0), K,
-                                s.orr + ((t0 + t) * G + g) * R, nrm, R, nmax, t, rep);
+                                s.orr + ((t0 + t) * G + g) * R, nrm, R, nmax, t, rep, true);
     rounding_check::repair(
         I, rep, K, [&](int t, index_t) { return &x.o_packed(g * T + t0 + t, 0); },
         [&](int, index_t r) { return &x.wo_a(g, r, 0); },

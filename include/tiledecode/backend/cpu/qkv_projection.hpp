@@ -31,9 +31,9 @@
 // transposed copy QkvWeights::bf16_rows runs x_n · [wq_a | wkv] on the vdpbf16ps row kernels
 // (bf16_rows_avx512.hpp), another summation order held to golden and to the rounding bars, still
 // thread- and batch-invariant (Zen 5, T = 128: 27.9-28.1 → 20.2-20.4 ms for the projection).
-// Where bf16_rows carries its norms (pack_qkv_bf16_rows) the q-latent's rounding check (q_latent)
-// recomputes as golden does the cq values whose Q8 rounding the FP32 dots cannot decide: qr is
-// golden's on every tier (tests/test_rounding.cpp), +1.7-3.4 % of the projection at T = 8 (Zen 5).
+// Given QkvWeights::wq_a_norm the q-latent's rounding check (q_latent) recomputes as golden does
+// the cq values whose Q8 rounding the FP32 dots cannot decide, from bf16_rows where present, else
+// from wq_a's columns: qr, and with it q, is golden's on every tier (tests/test_rounding.cpp).
 // Measured (Xeon, Sapphire Rapids class, one thread, flash, T = 128 = B 64 × S 2; perf profile
 // of bench_projection): x_n · [wq_a | wkv] 24 → 12.3 ms (axpy passes → tiled, 61 % of the
 // 512-bit FMA ceiling); qr · wq_b 18 → 14.6 ms (packed 8-column, 4-token tiles → 16-column,
@@ -180,10 +180,6 @@ inline QkvBf16Rows pack_qkv_bf16_rows(const ModelConfig& cfg, ConstView<bf16, 2>
           for (index_t n = n0; n < std::min(N, n0 + B); ++n)
             r.data[std::size_t((row0 + n) * D + k)] = w(k, n);
   }
-  // The rows' norms, bounded from above (bf16_norm_bound).
-  r.norm = Buffer<float>(std::size_t(QL + HD));
-  for (index_t n = 0; n < QL + HD; ++n)
-    r.norm[std::size_t(n)] = bf16_norm_bound(r.data.data() + std::size_t(n * D), D);
   return r;
 }
 
@@ -364,8 +360,8 @@ struct backend_ops_qkv_projection {
   };
   template <class Body>
   static void for_tokens(const Cpu<I>& be, const kernels::QkvArgs& a, Body&& body) {
-    const bool check = be.bf16_dot != Bf16Dot::exact && a.w.bf16_rows != nullptr &&
-                       a.w.bf16_rows->norm.size() != 0 && a.cfg->q_lora <= kMaxCheckedQLora;
+    const bool check = be.bf16_dot != Bf16Dot::exact && a.w.wq_a_norm.data() != nullptr &&
+                       a.cfg->q_lora <= kMaxCheckedQLora;
     be.tasks(a.tokens(), [&](std::int64_t t) {
       Lane lane{check};
       body(lane, t);
@@ -373,17 +369,19 @@ struct backend_ops_qkv_projection {
   }
   // RMSNorm of cq (double), Q8 → qr, and the INT8 matmul's operand staging.
   //
-  // Rounding check (issue 17), where QkvWeights::bf16_rows carries its norms (pack_qkv_bf16_rows)
-  // and the dots are not Bf16Dot::exact: the check of rounding_check.hpp on the row cq =
-  // d · r · gamma_cq, d the FP32 dots. Each d_n is within κ · 2^-24 · max|x_n| · |wq_a[:, n]| of
-  // the exact dot (the same measured bound: FP32 partials over 64-k blocks, then double), so cq_n
-  // within r · |gamma_n| times that, plus two FP32 ulps; the listed values (their interval reaches
-  // the row's largest, or holds a Q8 midpoint of any scale the repaired amax allows) get cq_n =
-  // float(d_n · r · gamma_n) from d_n summed as golden sums it (bf16_pair_dots_exact on the
-  // transposed rows, unrounded, as golden uses it). r itself comes from the FP32 dots, not
-  // golden's; it scales every cq_n of the token and Q8 is scale-invariant (amax scales with it),
-  // so it moves a Q8 decision only through the FP32 rounding of cq, inside the ulps the interval
-  // holds; it does move qr_scale (an FP32 output, not a rounding) by r's relative error.
+  // Rounding check (issue 17), given QkvWeights::wq_a_norm and dots that are not Bf16Dot::exact:
+  // the check of rounding_check.hpp on the row cq = d · r · gamma_cq, d the FP32 dots. Each d_n is
+  // within κ · 2^-24 · max|x_n| · |wq_a[:, n]| of the exact dot (the same measured bound: FP32
+  // partials over 64-k blocks, then double), so cq_n within r · |gamma_n| times that, plus two
+  // FP32 ulps; the listed values get cq_n = float(d_n · r · gamma_n) from d_n summed as golden sums
+  // it (bf16_pair_dots_exact, unrounded, as golden uses it; from the transposed rows where
+  // QkvWeights::bf16_rows is given, else from wq_a's column: a cache line per k). r itself comes
+  // from the FP32 dots, not golden's; it scales every cq_n of the token and Q8 is scale-invariant
+  // (amax scales with it), so it moves a Q8 decision only through the FP32 rounding of cq, inside
+  // the ulps the interval holds. It and an unrepaired amax move qr_scale (an FP32 output, not a
+  // rounding) by their relative errors, which q's per-head RMSNorm undoes: so the row's largest
+  // values are recomputed only in a row where another value is listed (exact_scale = false), and
+  // most rows list none (measured, Zen 5, T = 8: 2.6 of 8 rows a call list any, 5.9 repairs).
   static void q_latent(Lane& lane, const kernels::QkvArgs& a, index_t t) {
     const index_t QL = a.cfg->q_lora;
     const QkvScratch& s = a.s;
@@ -412,18 +410,27 @@ struct backend_ops_qkv_projection {
     float eff[kMaxCheckedQLora];
     float emax = 0.0f;
     for (index_t n = 0; n < QL; ++n) {
-      eff[n] = float(r * std::fabs(double(g[n].to_float())) * double(a.w.bf16_rows->norm[n]) *
+      eff[n] = float(r * std::fabs(double(g[n].to_float())) * double(a.w.wq_a_norm(n)) *
                      (1.0 + 0x1p-20));
       emax = std::max(emax, eff[n]);
     }
     const bf16* x = a.x_n.data() + t * a.x_n.stride(0);
     rounding_check::Repairs rep;
-    rounding_check::check_row(I, x, D, cq, eff, QL, emax, 0, rep);
-    const bf16* rows = a.w.bf16_rows->data.data();
-    rounding_check::repair(
-        I, rep, D, [&](int, index_t) { return x; },
-        [&](int, index_t n) { return rows + std::size_t(n) * std::size_t(D); },
-        [&](int, index_t n, double d) { cq[n] = float(d * r * double(g[n].to_float())); });
+    rounding_check::check_row(I, x, D, cq, eff, QL, emax, 0, rep, false);
+    const auto x_of = [&](int, index_t) { return x; };
+    const auto store = [&](int, index_t n, double d) {
+      cq[n] = float(d * r * double(g[n].to_float()));
+    };
+    if (const QkvBf16Rows* rows = a.w.bf16_rows) {  // wq_a's column n as a row: D contiguous
+      rounding_check::repair(
+          I, rep, D, x_of,
+          [&](int, index_t n) { return rows->data.data() + std::size_t(n) * std::size_t(D); },
+          store);
+    } else {  // the column itself: a cache line per k
+      rounding_check::repair(
+          I, rep, D, x_of, [&](int, index_t n) { return &a.w.wq_a(0, n); }, store,
+          a.w.wq_a.stride(0));
+    }
   }
   // kv = bf16([kvf·r·gamma_ckv][:448], rope_fwd(..[448:], pos_t)) in double.
   static void kv_row(Lane&, const kernels::QkvArgs& a, index_t t) {

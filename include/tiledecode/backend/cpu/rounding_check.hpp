@@ -40,9 +40,11 @@ struct Repairs {  // (row t of the list, index r in it) of the values to recompu
 };
 
 // Recomputes the listed values, kPairDots at a time: store(t, r, s) takes the exact dot s of
-// x_of(t, r) · w_of(t, r) (bf16_pair_dots_exact: golden's ascending-k double sum, unrounded).
+// x_of(t, r) · w_of(t, r) (bf16_pair_dots_exact: golden's ascending-k double sum, unrounded; the
+// weights ws apart: 1 a row, the row pitch a column).
 template <class XOf, class WOf, class Store>
-void repair(Isa isa, const Repairs& rep, index_t d, XOf x_of, WOf w_of, Store store) {
+void repair(Isa isa, const Repairs& rep, index_t d, XOf x_of, WOf w_of, Store store,
+            index_t ws = 1) {
   for (int i = 0; i < rep.n; i += kPairDots) {
     const int n = std::min(kPairDots, rep.n - i);
     const bf16* xp[kPairDots];
@@ -52,7 +54,7 @@ void repair(Isa isa, const Repairs& rep, index_t d, XOf x_of, WOf w_of, Store st
       xp[j] = x_of(rep.t[i + j], rep.r[i + j]);
       wp[j] = w_of(rep.t[i + j], rep.r[i + j]);
     }
-    bf16_pair_dots_exact(isa, n, xp, wp, d, s);
+    bf16_pair_dots_exact(isa, n, xp, wp, d, s, ws);
     for (int j = 0; j < n; ++j) store(rep.t[i + j], rep.r[i + j], s[j]);
   }
 }
@@ -74,18 +76,25 @@ __attribute__((always_inline)) inline float abs_max(const float* v, index_t n) {
 // The interval around o_r that holds the value golden rounds: half-width w_r = a · nrm[r] (the
 // FP32 sums' error, a = κ · 2^-24 · max_k |x[k]|) + 2^-22 |o_r| (two FP32 ulps: the final
 // roundings, golden's and the kernel's). A value is listed
+//   * if its interval, scaled by any sq the repaired amax can give (within a relative d of this
+//     one), holds a rounding midpoint of q = rint(o · sq): |o · sq| <= 127 up to the FP32
+//     product's rounding (2^-17; 2^-15 covers it), and the distance to the nearest midpoint comes
+//     from the truncation (a conversion; std::floor is a libm call per value on baseline x86);
 //   * if it can be the row's largest after repair: its interval reaches the interval of the
 //     largest before (bounded below with the row's largest factor nmax), so the Q8 scale sq = 127 /
 //     max(amax, 1e-4) (core/quant.hpp) is golden's after the repairs (none where amax cannot
-//     reach the floor 1e-4: the scale is then 127 / 1e-4 whatever it is);
-//   * or if its interval, scaled by any sq the repaired amax can give (within a relative d of
-//     this one), holds a rounding midpoint of q = rint(o · sq): |o · sq| <= 127 up to the FP32
-//     product's rounding (2^-17; 2^-15 covers it), and the distance to the nearest midpoint comes
-//     from the truncation (a conversion; std::floor is a libm call per value on baseline x86).
-// Each test is a vector compare over a chunk of kChunk values, searched one by one on a hit.
+//     reach the floor 1e-4: the scale is then 127 / 1e-4 whatever it is). With exact_scale (the
+//     o-proj: its dequant scale amax / 127 is a factor of the BF16 attn_out, so it must be
+//     golden's) always; without (the q-latent: qr_scale is an FP32 output that the per-head
+//     RMSNorm of q undoes) only in a row with a value of the first kind, the only one whose
+//     decision the exact scale changes: the first test already holds every other value's
+//     decision for every scale the repairs could give, the largest's included (|q| = 127).
+// Each test is a vector compare over a chunk of kChunk values, searched one by one on a hit; a
+// row that lists its largest only with others is scanned for the first kind first (a pass that
+// usually finds none and lists nothing).
 __attribute__((always_inline)) inline void check_row_body(const bf16* x, index_t K, const float* o,
                                                           const float* nrm, index_t R, float nmax,
-                                                          int t, Repairs& rep) {
+                                                          int t, Repairs& rep, bool exact_scale) {
   std::int16_t m = 0;  // the largest |x| as bits (every non-finite one >= 0x7f80)
   for (index_t k = 0; k < K; ++k) m = std::max(m, std::int16_t(x[k].bits & 0x7fff));
   const float amax = abs_max(o, R);
@@ -101,45 +110,55 @@ __attribute__((always_inline)) inline void check_row_body(const bf16* x, index_t
   // Below the floor 1e-4 the scale does not depend on amax: no candidates (an all-zero row).
   const std::int32_t scaled = amax + wmax >= kInt8AmaxEps;
   std::int32_t hit[kChunk];
-  for (index_t r0 = 0; r0 < R; r0 += kChunk) {
-    const index_t n = std::min<index_t>(kChunk, R - r0);
-    std::int32_t any = 0;
-    for (index_t i = 0; i < n; ++i) {
-      const float ao = std::fabs(o[r0 + i]), w = a * nrm[r0 + i] + 0x1p-22f * ao;
-      const float v = o[r0 + i] * sq, f = std::fabs(v - float(std::int32_t(v)));
-      hit[i] = (scaled & (ao + w >= lo)) |
-               (std::fabs(f - 0.5f) <= w * sqd + std::fabs(v) * d + 0x1p-15f);
-      any |= hit[i];
+  // Pass 0 (without exact_scale): the midpoint test alone, to the first hit; pass 1 lists.
+  for (int pass = exact_scale ? 1 : 0; pass < 2; ++pass) {
+    const std::int32_t largest = scaled & std::int32_t(pass == 1);
+    bool found = false;
+    for (index_t r0 = 0; r0 < R && !found; r0 += kChunk) {
+      const index_t n = std::min<index_t>(kChunk, R - r0);
+      std::int32_t any = 0;
+      for (index_t i = 0; i < n; ++i) {
+        const float ao = std::fabs(o[r0 + i]), w = a * nrm[r0 + i] + 0x1p-22f * ao;
+        const float v = o[r0 + i] * sq, f = std::fabs(v - float(std::int32_t(v)));
+        hit[i] = (largest & (ao + w >= lo)) |
+                 (std::fabs(f - 0.5f) <= w * sqd + std::fabs(v) * d + 0x1p-15f);
+        any |= hit[i];
+      }
+      if (!any) continue;
+      if (pass == 0) {
+        found = true;
+      } else {
+        for (index_t i = 0; i < n; ++i)
+          if (hit[i]) rep.add(t, r0 + i);
+      }
     }
-    if (any)
-      for (index_t i = 0; i < n; ++i)
-        if (hit[i]) rep.add(t, r0 + i);
+    if (pass == 0 && !found) return;
   }
 }
 
 #if TILEDECODE_X86
 TILEDECODE_TARGET_AVX512 inline void check_row_avx512(const bf16* x, index_t K, const float* o,
                                                       const float* nrm, index_t R, float nmax,
-                                                      int t, Repairs& rep) {
-  check_row_body(x, K, o, nrm, R, nmax, t, rep);
+                                                      int t, Repairs& rep, bool exact_scale) {
+  check_row_body(x, K, o, nrm, R, nmax, t, rep, exact_scale);
 }
 TILEDECODE_TARGET_AVX2 inline void check_row_avx2(const bf16* x, index_t K, const float* o,
                                                   const float* nrm, index_t R, float nmax, int t,
-                                                  Repairs& rep) {
-  check_row_body(x, K, o, nrm, R, nmax, t, rep);
+                                                  Repairs& rep, bool exact_scale) {
+  check_row_body(x, K, o, nrm, R, nmax, t, rep, exact_scale);
 }
 #endif
 
 // The row's scan compiled for the tier (the same tests on every one; a value listed on one tier
 // and not on another is, where the bound holds, one whose rounding is golden's either way).
 inline void check_row(Isa isa, const bf16* x, index_t K, const float* o, const float* nrm,
-                      index_t R, float nmax, int t, Repairs& rep) {
+                      index_t R, float nmax, int t, Repairs& rep, bool exact_scale) {
 #if TILEDECODE_X86
-  if (isa == Isa::avx512) return check_row_avx512(x, K, o, nrm, R, nmax, t, rep);
-  if (has_avx2(isa)) return check_row_avx2(x, K, o, nrm, R, nmax, t, rep);
+  if (isa == Isa::avx512) return check_row_avx512(x, K, o, nrm, R, nmax, t, rep, exact_scale);
+  if (has_avx2(isa)) return check_row_avx2(x, K, o, nrm, R, nmax, t, rep, exact_scale);
 #endif
   (void)isa;
-  check_row_body(x, K, o, nrm, R, nmax, t, rep);
+  check_row_body(x, K, o, nrm, R, nmax, t, rep, exact_scale);
 }
 
 }  // namespace tiledecode::cpu::rounding_check
