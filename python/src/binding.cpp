@@ -262,6 +262,11 @@ LayerWeights::LayerWeights(std::int64_t kind_, c10::Dict<std::string, at::Tensor
   w.wo_a = bf.operator()<3>("wo_a");
   w.wo_b = i8("wo_b");
   w.wo_b_scale = f32.operator()<1>("wo_b_scale");
+  // The rounding checks' norms (the step validates their shapes against the config).
+  wq_a_norm = td::kernels::qkv_wq_a_norms(w.qkv.wq_a);
+  w.qkv.wq_a_norm = wq_a_norm.view();
+  wo_a_norm = td::kernels::output_projection_row_norms(w.wo_a);
+  w.wo_a_norm = wo_a_norm.view();
   if (td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni) ||
       td::cpu::cpu_supports(td::cpu::Isa::avx512)) {
     wq_b_packed = td::kernels::pack_qkv_wq_b(cfg, w.qkv.wq_b);

@@ -158,10 +158,13 @@ struct Workspace : torch::CustomClassHolder {
 };
 
 // One layer's weights: views of the caller's tensors (kept alive here) plus the load-time packed
-// copies the CPU step needs (indexer query weights; wq_b for the VNNI tiers). Not the transposed
-// wq_a | wkv of LayerWeightsStorage::pack (QkvWeights::bf16_rows): the standalone ops take plain
-// weight tensors, so the q/kv projection keeps the FMA order here and the step's intermediates
-// equal the ops' outputs bit for bit (tests/python/test_kernels.py).
+// copies the CPU step needs (indexer query weights; wq_b for the VNNI tiers) and the rounding
+// checks' norms (wq_a's columns, wo_a's rows: the ops qkv_wq_a_norms and
+// output_projection_row_norms give the same, for the standalone qkv_projection and
+// output_projection). Not the transposed wq_a | wkv of LayerWeightsStorage::pack
+// (QkvWeights::bf16_rows): the standalone ops take plain weight tensors, so the q/kv projection
+// keeps the FMA order here and the step's intermediates equal the ops' outputs bit for bit
+// (tests/python/test_kernels.py).
 struct LayerWeights : torch::CustomClassHolder {
   LayerWeights(std::int64_t kind, c10::Dict<std::string, at::Tensor> tensors, std::string config);
   std::string config;
@@ -170,6 +173,8 @@ struct LayerWeights : torch::CustomClassHolder {
   c10::Dict<std::string, at::Tensor> tensors;
   td::kernels::IndexerQueryWeights idx_packed;
   td::QkvPackedWqB wq_b_packed;
+  td::Tensor<float, 1> wq_a_norm;
+  td::Tensor<float, 2> wo_a_norm;
   td::decode::LayerWeights w;
 };
 

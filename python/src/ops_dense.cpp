@@ -60,18 +60,20 @@ void qkv_projection(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
                     const at::Tensor& wq_b_scale, const at::Tensor& wkv,
                     const at::Tensor& gamma_ckv, const at::Tensor& rope_cos,
                     const at::Tensor& rope_sin, const at::Tensor& position_ids,
-                    const std::string& config) {
+                    const std::string& config, const c10::optional<at::Tensor>& wq_a_norm) {
   constexpr std::string_view op = "qkv_projection";
   const td::ModelConfig cfg = parse_config(op, config);
   const auto ctx = cpu_context();
   const auto xn = cview_of<td::bf16, 2>(x_n, op, "x_n");
-  const td::QkvWeights w{cview_of<td::bf16, 2>(wq_a, op, "wq_a"),
-                         cview_of<td::bf16, 1>(gamma_cq, op, "gamma_cq"),
-                         cview_of<std::int8_t, 2>(wq_b, op, "wq_b"),
-                         cview_of<float, 1>(wq_b_scale, op, "wq_b_scale"),
-                         cview_of<td::bf16, 2>(wkv, op, "wkv"),
-                         cview_of<td::bf16, 1>(gamma_ckv, op, "gamma_ckv"),
-                         nullptr};
+  td::QkvWeights w{cview_of<td::bf16, 2>(wq_a, op, "wq_a"),
+                   cview_of<td::bf16, 1>(gamma_cq, op, "gamma_cq"),
+                   cview_of<std::int8_t, 2>(wq_b, op, "wq_b"),
+                   cview_of<float, 1>(wq_b_scale, op, "wq_b_scale"),
+                   cview_of<td::bf16, 2>(wkv, op, "wkv"),
+                   cview_of<td::bf16, 1>(gamma_ckv, op, "gamma_ckv"),
+                   nullptr};
+  // The q-latent's rounding check (qkv_wq_a_norms; the layer step's LayerWeights makes them).
+  w.wq_a_norm = opt_view_of<const float, 1>(wq_a_norm, op, "wq_a_norm");
   const auto rope = rope_of(rope_cos, rope_sin, op);
   const auto pos = cview_of<std::int32_t, 1>(position_ids, op, "position_ids");
   auto qv = view_of<td::bf16, 3>(q, op, "q");
@@ -115,7 +117,7 @@ void sparse_attention(const at::Tensor& o_packed, const at::Tensor& q, const at:
 
 void output_projection(const at::Tensor& attn_out, const at::Tensor& o_packed,
                        const at::Tensor& wo_a, const at::Tensor& wo_b, const at::Tensor& wo_b_scale,
-                       const std::string& config) {
+                       const std::string& config, const c10::optional<at::Tensor>& wo_a_norm) {
   constexpr std::string_view op = "output_projection";
   const td::ModelConfig cfg = parse_config(op, config);
   const auto ctx = cpu_context();
@@ -124,7 +126,29 @@ void output_projection(const at::Tensor& attn_out, const at::Tensor& o_packed,
   tk::output_projection(ctx, cfg, ov, cview_of<td::bf16, 2>(o_packed, op, "o_packed"),
                         cview_of<td::bf16, 3>(wo_a, op, "wo_a"),
                         cview_of<std::int8_t, 2>(wo_b, op, "wo_b"),
-                        cview_of<float, 1>(wo_b_scale, op, "wo_b_scale"), ws.span());
+                        cview_of<float, 1>(wo_b_scale, op, "wo_b_scale"), ws.span(),
+                        opt_view_of<const float, 2>(wo_a_norm, op, "wo_a_norm"));
+}
+
+// The rounding checks' weight norms (load-time preparations; LayerWeights makes both): each
+// column of wq_a, each row of wo_a, bounded from above (FP32, +Inf for one with a NaN).
+void qkv_wq_a_norms(const at::Tensor& norm, const at::Tensor& wq_a) {
+  constexpr std::string_view op = "qkv_wq_a_norms";
+  const auto w = cview_of<td::bf16, 2>(wq_a, op, "wq_a");
+  const auto nv = view_of<float, 1>(norm, op, "norm");
+  td::check_extents(op, "norm", nv, {w.extent(1)});
+  const td::Tensor<float, 1> n = tk::qkv_wq_a_norms(w);
+  for (index_t i = 0; i < w.extent(1); ++i) nv(i) = n.data()[i];
+}
+
+void output_projection_row_norms(const at::Tensor& norm, const at::Tensor& wo_a) {
+  constexpr std::string_view op = "output_projection_row_norms";
+  const auto w = cview_of<td::bf16, 3>(wo_a, op, "wo_a");
+  const auto nv = view_of<float, 2>(norm, op, "norm");
+  td::check_extents(op, "norm", nv, {w.extent(0), w.extent(1)});
+  const td::Tensor<float, 2> n = tk::output_projection_row_norms(w);
+  for (index_t g = 0; g < w.extent(0); ++g)
+    for (index_t r = 0; r < w.extent(1); ++r) nv(g, r) = n.data()[g * w.extent(1) + r];
 }
 
 TORCH_LIBRARY_IMPL(tiledecode, CompositeImplicitAutograd, m) {
@@ -134,6 +158,8 @@ TORCH_LIBRARY_IMPL(tiledecode, CompositeImplicitAutograd, m) {
   m.impl("qkv_projection", TORCH_FN(qkv_projection));
   m.impl("sparse_attention", TORCH_FN(sparse_attention));
   m.impl("output_projection", TORCH_FN(output_projection));
+  m.impl("qkv_wq_a_norms", TORCH_FN(qkv_wq_a_norms));
+  m.impl("output_projection_row_norms", TORCH_FN(output_projection_row_norms));
 }
 
 }  // namespace tdpy

@@ -95,7 +95,7 @@ TORCH_LIBRARY(tiledecode, m) {
       "qkv_projection(Tensor(a!) q, Tensor(b!) kv, Tensor(c!) qr, Tensor(d!) qr_scale, "
       "Tensor x_n, Tensor wq_a, Tensor gamma_cq, Tensor wq_b, Tensor wq_b_scale, Tensor wkv, "
       "Tensor gamma_ckv, Tensor rope_cos, Tensor rope_sin, Tensor position_ids, "
-      "str config=\"flash\") -> ()");
+      "str config=\"flash\", Tensor? wq_a_norm=None) -> ()");
   m.def(
       "hc_post(Tensor(a!) x_out, Tensor attn_out, Tensor x_hc, Tensor post, Tensor comb, "
       "str config=\"flash\") -> ()");
@@ -137,7 +137,11 @@ TORCH_LIBRARY(tiledecode, m) {
       "Tensor rope_sin, int kind, str config=\"flash\") -> ()");
   m.def(
       "output_projection(Tensor(a!) attn_out, Tensor o_packed, Tensor wo_a, Tensor wo_b, "
-      "Tensor wo_b_scale, str config=\"flash\") -> ()");
+      "Tensor wo_b_scale, str config=\"flash\", Tensor? wo_a_norm=None) -> ()");
+  // The rounding checks' norms (issue 17): pass them to qkv_projection / output_projection to get
+  // the layer step's bits (LayerWeights makes them at load time).
+  m.def("qkv_wq_a_norms(Tensor(a!) norm, Tensor wq_a) -> ()");
+  m.def("output_projection_row_norms(Tensor(a!) norm, Tensor wo_a) -> ()");
 
   // ---- one whole layer (spec §4, §9.2)
   m.def("layer_step(Tensor(a!) x_out, Tensor x_hc, " TD_CLS("LayerWeights") " weights, "

@@ -103,6 +103,16 @@ def test_kernel_ops_bad_inputs(csa):
     with pytest.raises(RuntimeError, match="wo_b"):
         ops.output_projection(out, L.v["o_packed"], L.w["wo_a"], L.w["wo_b"].t(),
                               L.w["wo_b_scale"], str(c))
+    # the rounding check's norms: a NaN, a wrong shape
+    norm = torch.empty(c.o_groups, c.o_lora)
+    ops.output_projection_row_norms(norm, L.w["wo_a"])
+    norm[1, 5] = float("nan")
+    with pytest.raises(RuntimeError, match=r"wo_a_norm\[1,5\]"):
+        ops.output_projection(out, L.v["o_packed"], L.w["wo_a"], L.w["wo_b"], L.w["wo_b_scale"],
+                              str(c), norm)
+    with pytest.raises(RuntimeError, match="wo_a_norm"):
+        ops.output_projection(out, L.v["o_packed"], L.w["wo_a"], L.w["wo_b"], L.w["wo_b_scale"],
+                              str(c), norm[:, 1:])
     assert out.eq(1.0).all()
     # top-k: k larger than the row
     topk = torch.full((L.T, c.score_len), 7, dtype=torch.int32)

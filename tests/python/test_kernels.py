@@ -57,15 +57,21 @@ def test_qkv_projection(family, request):
     qr = torch.empty(L.T, c.q_lora, dtype=torch.int8)
     qr_scale = torch.empty(L.T)
     pos = L.meta["position_ids"]
-    ops.qkv_projection(q, kv, qr, qr_scale, L.v["x_n"], L.w["wq_a"], L.w["gamma_cq"], L.w["wq_b"],
-                       L.w["wq_b_scale"], L.w["wkv"], L.w["gamma_ckv"], *L.rope, pos, str(c))
+    # with the q-latent's rounding check (the norms the layer step's Weights makes) and without
+    wq_a_norm = torch.empty(c.q_lora)
+    ops.qkv_wq_a_norms(wq_a_norm, L.w["wq_a"])
     rq, rkv, rqr, rqs = ref.qkv_projection(L.v["x_n"], L.w, *L.rope, pos, c)
-    assert_close(qr, rqr, QR)
-    assert_close(qr_scale, rqs, QR_SCALE)
-    assert_close(q, rq, BF16_RULE)
-    assert_close(kv, rkv, BF16_RULE)
-    for name, t in (("q", q), ("kv", kv), ("qr", qr), ("qr_scale", qr_scale)):
-        assert torch.equal(t, L.v[name]), name
+    for norm in (wq_a_norm, None):
+        ops.qkv_projection(q, kv, qr, qr_scale, L.v["x_n"], L.w["wq_a"], L.w["gamma_cq"],
+                           L.w["wq_b"], L.w["wq_b_scale"], L.w["wkv"], L.w["gamma_ckv"], *L.rope,
+                           pos, str(c), norm)
+        assert_close(qr, rqr, QR)
+        assert_close(qr_scale, rqs, QR_SCALE)
+        assert_close(q, rq, BF16_RULE)
+        assert_close(kv, rkv, BF16_RULE)
+        if norm is not None:
+            for name, t in (("q", q), ("kv", kv), ("qr", qr), ("qr_scale", qr_scale)):
+                assert torch.equal(t, L.v[name]), name
 
 
 @pytest.mark.parametrize("family", ["csa", "hca", "csa_flash"])
@@ -212,9 +218,15 @@ def test_output_projection_and_hc_post(family, request):
     L = request.getfixturevalue(family)
     c = L.cfg
     out = torch.empty(L.T, c.hidden, dtype=torch.bfloat16)
+    want = ref.output_projection(L.v["o_packed"], L.w["wo_a"], L.w["wo_b"], L.w["wo_b_scale"], c)
     ops.output_projection(out, L.v["o_packed"], L.w["wo_a"], L.w["wo_b"], L.w["wo_b_scale"],
                           str(c))
-    want = ref.output_projection(L.v["o_packed"], L.w["wo_a"], L.w["wo_b"], L.w["wo_b_scale"], c)
+    assert_close(out, want, ATTN)
+    # with the rounding check (the norms the layer step's Weights makes): the step's bits
+    wo_a_norm = torch.empty(c.o_groups, c.o_lora)
+    ops.output_projection_row_norms(wo_a_norm, L.w["wo_a"])
+    ops.output_projection(out, L.v["o_packed"], L.w["wo_a"], L.w["wo_b"], L.w["wo_b_scale"],
+                          str(c), wo_a_norm)
     assert_close(out, want, ATTN)
     assert torch.equal(out, L.v["attn_out"])
     y = torch.empty_like(L.x_hc)
