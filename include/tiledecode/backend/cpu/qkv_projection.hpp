@@ -381,7 +381,8 @@ struct backend_ops_qkv_projection {
   // the ulps the interval holds. It and an unrepaired amax move qr_scale (an FP32 output, not a
   // rounding) by their relative errors, which q's per-head RMSNorm undoes: so the row's largest
   // values are recomputed only in a row where another value is listed (exact_scale = false), and
-  // most rows list none (measured, Zen 5, T = 8: 2.6 of 8 rows a call list any, 5.9 repairs).
+  // most rows list none (measured, Zen 5, T = 8: 2.3-2.6 of 8 rows a call list any, 5.2-5.9
+  // repairs a call where every row's largest took 10.9).
   static void q_latent(Lane& lane, const kernels::QkvArgs& a, index_t t) {
     const index_t QL = a.cfg->q_lora;
     const QkvScratch& s = a.s;
