@@ -487,6 +487,71 @@ TEST(QkvProjection, Avx512Bf16RowsMatchGoldenAndAreBatchInvariant) {
   EXPECT_EQ(o.q.data()[0].bits, 0x5555) << "nothing written before the throw";
 }
 
+// The q-latent's rounding check (wq_a_norm) gives the same bytes for any thread count and for a
+// token decoded in any batch, on every tier: its repairs from wq_a's columns (the FMA dots, no
+// rows: AVX2-only and Intel CPUs) and, where AVX-512 runs, from the transposed rows (FMA and
+// vdpbf16ps dots). T = 24 against 2 and 7 threads, every token alone and batches of 8. Two
+// weight sets: the fixture's, and one whose wq_a columns repeat with period 64 and gamma_cq = 1,
+// so every cq value of a row appears 16 times (the row's largest too: its repairs fill the row's
+// quota), which stays within the tolerances of golden.
+TEST(QkvProjection, RoundingCheckIsThreadAndBatchInvariant) {
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied columns" : "random columns");
+    QkvFixture f(td::flash_config(), 24, 38);
+    if (tied) {
+      for (index_t k = 0; k < f.cfg.hidden; ++k)
+        for (index_t n = 64; n < f.cfg.q_lora; ++n) f.wq_a.view()(k, n) = f.wq_a.view()(k, n % 64);
+      for (index_t n = 0; n < f.cfg.q_lora; ++n) f.gamma_cq.view()(n) = bf16(1.0f);
+      QkvOut g(f.cfg, f.T), o(f.cfg, f.T);
+      td::golden::qkv_projection(g.q.view(), g.kv.view(), g.qr.view(), g.qr_scale.view(),
+                                 f.x_n.view(), f.weights(), f.rope.view(), f.pos.view(), f.cfg);
+      const td::Tensor<float, 1> nrm = td::kernels::qkv_wq_a_norms(f.wq_a.view());
+      run_qkv(f, o, td::cpu::make_context(nullptr), nullptr, nullptr, 0, -1, nrm.view());
+      expect_qkv_close(o, g);
+    }
+    const td::Tensor<float, 1> norm = td::kernels::qkv_wq_a_norms(f.wq_a.view());
+    td::QkvBf16Rows rows;
+    struct Path {
+      td::cpu::Isa isa;
+      td::cpu::Bf16Dot dot;
+      const td::QkvBf16Rows* rows;
+    };
+    std::vector<Path> paths;
+    for (auto isa : isas()) paths.push_back({isa, td::cpu::Bf16Dot::fma, nullptr});
+    if (td::cpu::cpu_supports(td::cpu::Isa::avx512)) {
+      rows = td::kernels::pack_qkv_bf16_rows(f.cfg, f.wq_a.view(), f.wkv.view());
+      paths.push_back({td::cpu::Isa::avx512, td::cpu::Bf16Dot::fma, &rows});
+      paths.push_back({td::cpu::Isa::avx512, td::cpu::Bf16Dot::dpbf16, &rows});
+    }
+    const auto same = [](const QkvOut& a, const QkvOut& b) {
+      return std::memcmp(a.q.data(), b.q.data(), a.q.size() * 2) == 0 &&
+             std::memcmp(a.kv.data(), b.kv.data(), a.kv.size() * 2) == 0 &&
+             std::memcmp(a.qr.data(), b.qr.data(), a.qr.size()) == 0 &&
+             std::memcmp(a.qr_scale.data(), b.qr_scale.data(), a.qr_scale.size() * 4) == 0;
+    };
+    for (const Path& p : paths) {
+      SCOPED_TRACE(std::string(td::cpu::to_string(p.isa)) +
+                   (p.dot == td::cpu::Bf16Dot::dpbf16 ? "/dpbf16" : "") +
+                   (p.rows ? ", rows" : ", columns"));
+      const auto ctx = [&](td::Executor* e) { return td::cpu::Context{e, p.isa, p.dot}; };
+      QkvOut all(f.cfg, f.T);
+      run_qkv(f, all, ctx(nullptr), nullptr, p.rows, 0, -1, norm.view());
+      for (std::size_t n : {2, 7}) {
+        td::ThreadPool pool(n);
+        QkvOut o(f.cfg, f.T);
+        run_qkv(f, o, ctx(&pool), nullptr, p.rows, 0, -1, norm.view());
+        EXPECT_TRUE(same(o, all)) << n << " threads";
+      }
+      for (index_t batch : {1, 8}) {
+        QkvOut o(f.cfg, f.T);
+        for (index_t t0 = 0; t0 < f.T; t0 += batch)
+          run_qkv(f, o, ctx(nullptr), nullptr, p.rows, t0, std::min(f.T, t0 + batch), norm.view());
+        EXPECT_TRUE(same(o, all)) << "tokens in batches of " << batch;
+      }
+    }
+  }
+}
+
 // wq_a_norm (the q-latent's rounding check) is validated before anything is written: extent
 // Q_LORA, every value >= 0 (NaN and negative rejected, naming the element; +Inf accepted: that
 // column trusts nothing); qkv_wq_a_norms bounds each column's norm from above (within a few FP32
