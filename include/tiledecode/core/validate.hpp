@@ -85,4 +85,21 @@ void check_finite(std::string_view where, std::string_view arg, const View<T, 1>
       throw_arg(where, nth_name(arg, i), double(v(i)), "a finite value");
 }
 
+// Every element of a 1-D or 2-D view is >= 0 (NaN and negative values rejected, +Inf allowed),
+// `want` naming what makes it: the rounding checks' weight-norm bounds (an infinite one trusts
+// nothing of its row).
+template <class T>
+void check_nonnegative(std::string_view where, std::string_view arg, const View<T, 1>& v,
+                       std::string_view want) {
+  for (index_t i = 0; i < v.extent(0); ++i)
+    if (!(v(i) >= T(0))) throw_arg(where, nth_name(arg, i), v(i), want);
+}
+template <class T>
+void check_nonnegative(std::string_view where, std::string_view arg, const View<T, 2>& v,
+                       std::string_view want) {
+  for (index_t i = 0; i < v.extent(0); ++i)
+    for (index_t j = 0; j < v.extent(1); ++j)
+      if (!(v(i, j) >= T(0))) throw_arg(where, nth_name(arg, i, j), v(i, j), want);
+}
+
 }  // namespace tiledecode

@@ -64,11 +64,8 @@ inline void validate(const OutputProjectionArgs& a) {
   if (K % 8 != 0) throw_arg(where, "cfg.o_group_in()", K, "a multiple of 8");
   if (a.wo_a_norm.data() != nullptr) {
     check_rows(where, "wo_a_norm", a.wo_a_norm, {G, R});
-    for (index_t g = 0; g < G; ++g)
-      for (index_t r = 0; r < R; ++r)
-        if (!(a.wo_a_norm(g, r) >= 0.0f))  // NaN or negative; +Inf is a bound (no value trusted)
-          throw_arg(where, nth_name("wo_a_norm", g, r), a.wo_a_norm(g, r),
-                    "a value >= 0 (output_projection_row_norms)");
+    check_nonnegative(where, "wo_a_norm", a.wo_a_norm,
+                      "a value >= 0 (output_projection_row_norms)");
   }
 }
 

@@ -166,10 +166,7 @@ inline void validate(const QkvArgs& a) {
   }
   if (a.w.wq_a_norm.data() != nullptr) {
     check_extents(where, "w.wq_a_norm", a.w.wq_a_norm, {QL});
-    for (index_t n = 0; n < QL; ++n)
-      if (!(a.w.wq_a_norm(n) >= 0.0f))  // NaN or negative (+Inf: a bound)
-        throw_arg(where, nth_name("w.wq_a_norm", n), a.w.wq_a_norm(n),
-                  "a value >= 0 (qkv_wq_a_norms)");
+    check_nonnegative(where, "w.wq_a_norm", a.w.wq_a_norm, "a value >= 0 (qkv_wq_a_norms)");
   }
 }
 
