@@ -22,7 +22,8 @@
 // Shared machines: run with --benchmark_repetitions=N; the `median` and `max` aggregates of the
 // rate counters bracket the typical and the least disturbed run.
 // `_boundary` variants put a window boundary on every request's second token (pooling, norm,
-// rope and the cache store on top of the projections); `_boundary_avx2` runs them on the avx2 tier
+// rope and the cache store on top of the projections; `_boundary_checked` with the opt-in rounding
+// check's row norms); `_boundary_avx2` runs them on the avx2 tier
 // (the pooling's 4-lane double path) on a CPU whose default is avx512, and is skipped elsewhere.
 // They run at T = 8 and at T = 128 (B = 64: what a large-batch step pays on top of the projection
 // roofline when every request closes a window; Zen 5, one thread, medians of 3 runs: CSA +0.3 ms
@@ -80,6 +81,19 @@ td::Buffer<bf16>& weight_pool() {
     return p;
   }();
   return pool;
+}
+
+// Per pool row of D weights an upper bound of its norm (kernels::compressor_row_norms): copy k's
+// CompressorWeights::row_norms start at row k · 2 · OUT_DIM (wkv's rows, then wgate's).
+const td::Buffer<float>& pool_row_norms() {
+  static const td::Buffer<float> n = [] {
+    const index_t D = cfg().hidden, rows = index_t(weight_pool().size()) / D;
+    td::Buffer<float> r(static_cast<std::size_t>(rows));
+    for (index_t i = 0; i < rows; ++i)
+      r[std::size_t(i)] = td::bf16_norm_bound(weight_pool().data() + i * D, D);
+    return r;
+  }();
+  return n;
 }
 
 const td::RopeTable& rope_table() {
@@ -152,12 +166,15 @@ struct Setup {
     ws = td::Tensor<float, 1>({tk::compressor_workspace_size(c, spec, T)});
   }
 
-  void step(const td::cpu::Context& ctx, index_t copy) {
+  // checked: with the opt-in rounding check's row norms (CompressorWeights::row_norms).
+  void step(const td::cpu::Context& ctx, index_t copy, bool checked) {
     const index_t OUT = spec.out_dim(), D = cfg().hidden;
     const bf16* w = weight_pool().data() + copy * copy_elems;
-    const tk::CompressorWeights wt{td::ConstView<bf16, 2>(w, {OUT, D}),
-                                   td::ConstView<bf16, 2>(w + OUT * D, {OUT, D}), ape.view(),
-                                   norm_w.view()};
+    tk::CompressorWeights wt{td::ConstView<bf16, 2>(w, {OUT, D}),
+                             td::ConstView<bf16, 2>(w + OUT * D, {OUT, D}), ape.view(),
+                             norm_w.view()};
+    if (checked)
+      wt.row_norms = td::ConstView<float, 1>(pool_row_norms().data() + copy * 2 * OUT, {2 * OUT});
     const tk::CompressorMetadata meta{shape, positions.view(), state_slots.view(), cmp_slots.view(),
                                       state_table.view()};
     if (kind == Kind::inner) {
@@ -178,7 +195,7 @@ double thread_cpu_seconds() {
 }
 
 void run(benchmark::State& st, Kind kind, bool boundary, bool force_avx2 = false,
-         td::cpu::Bf16Dot bf16_dot = td::cpu::Bf16Dot::automatic) {
+         td::cpu::Bf16Dot bf16_dot = td::cpu::Bf16Dot::automatic, bool checked = false) {
   const int T = int(st.range(0)), threads = int(st.range(1));
   if (force_avx2 && td::cpu::detect_isa() != td::cpu::Isa::avx512) {
     st.SkipWithError("the default tier is already avx2 or lower (see the _boundary rows)");
@@ -192,7 +209,7 @@ void run(benchmark::State& st, Kind kind, bool boundary, bool force_avx2 = false
   index_t copy = 0;
   const double cpu0 = thread_cpu_seconds();
   for (auto _ : st) {
-    s.step(ctx, copy);
+    s.step(ctx, copy, checked);
     copy = (copy + 1) % s.copies;
     benchmark::ClobberMemory();
   }
@@ -263,6 +280,16 @@ void BM_hca_compressor_boundary(benchmark::State& st) {
 void BM_indexer_compressor_boundary(benchmark::State& st) {
   run(st, Kind::inner, true);
 }
+// The same with the opt-in rounding check (CompressorWeights::row_norms): its cost, same process.
+void BM_csa_compressor_boundary_checked(benchmark::State& st) {
+  run(st, Kind::csa, true, false, td::cpu::Bf16Dot::automatic, true);
+}
+void BM_hca_compressor_boundary_checked(benchmark::State& st) {
+  run(st, Kind::hca, true, false, td::cpu::Bf16Dot::automatic, true);
+}
+void BM_indexer_compressor_boundary_checked(benchmark::State& st) {
+  run(st, Kind::inner, true, false, td::cpu::Bf16Dot::automatic, true);
+}
 void BM_csa_compressor_boundary_avx2(benchmark::State& st) {
   run(st, Kind::csa, true, true);
 }
@@ -291,6 +318,9 @@ BENCHMARK(BM_indexer_compressor)->Apply(args);
 BENCHMARK(BM_csa_compressor_boundary)->Apply(boundary_args);
 BENCHMARK(BM_hca_compressor_boundary)->Apply(boundary_args);
 BENCHMARK(BM_indexer_compressor_boundary)->Apply(boundary_args);
+BENCHMARK(BM_csa_compressor_boundary_checked)->Apply(boundary_args);
+BENCHMARK(BM_hca_compressor_boundary_checked)->Apply(boundary_args);
+BENCHMARK(BM_indexer_compressor_boundary_checked)->Apply(boundary_args);
 BENCHMARK(BM_csa_compressor_boundary_avx2)->Apply(boundary_args);
 BENCHMARK(BM_hca_compressor_boundary_avx2)->Apply(boundary_args);
 BENCHMARK(BM_indexer_compressor_boundary_avx2)->Apply(boundary_args);

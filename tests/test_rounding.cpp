@@ -41,6 +41,10 @@
 //     or from wq_a's columns): qr 0 / 524288 off the exact cq's Q8 on every tier, where the same
 //     dots without it give 1 (avx512/dpbf16: 2), and the q of the tokens those flip is golden's
 //     bytes (without it 10630 of 98304 differ).
+//   * The compressors' check (CompressorWeights::row_norms), from each step's inputs: 0 of 131072
+//     CSA, 32768 HCA and 65536 inner BF16 values off golden's on every path, where the default
+//     dots alone give 5 / 1 / 5 (FMA order) and 8 / 0 / 2 (avx512/dpbf16); with +Inf norms every
+//     written state value is golden's too. Bar 0.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -1099,3 +1103,184 @@ TEST(rounding, IndexerCompressorRowsWithProjectionsRoundAsTheExactRows) {
 }
 
 }  // namespace
+
+// The compressors' rounding check (CompressorWeights::row_norms; backend/cpu/compressor.hpp
+// "Rounding check"), from each step's inputs: golden and the kernel start from the same state pool
+// (every candidate row of a window that the step does not write is already there, at the
+// projections' statistics), the step writes the last S positions of every request's window and
+// closes it. Golden's emitted rows are then the exact rounding of the step (its state values are
+// the exact dots rounded to FP32), which is what the reference compares on each dump.
+// With the check every path emits golden's bytes; without it the same data differ (the count is
+// asserted too, so the zero can fail). Norms of +Inf list every value: every written candidate is
+// recomputed, so its state values are golden's bits as well.
+struct CmpCheckCounts {
+  long rows = 0;   // emitted BF16 values (main) / bf16(y) values (inner) that differ from golden's
+  long idx = 0;    // inner: INT8 index values that differ
+  long state = 0;  // written state values that differ from golden's
+};
+
+void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t seed,
+                           const char* name) {
+  // The sanitizer pass runs the check on B / 16 windows (golden's projections take seconds there);
+  // too few for the unchecked paths to show a flip, so only the zeros are asserted.
+  const bool lean = std::getenv("TILEDECODE_SANITIZE_LEAN") != nullptr;
+  if (lean) B = std::max<index_t>(B / 16, 4);
+  namespace tk = td::kernels;
+  const td::ModelConfig cfg = td::flash_config();
+  const tk::CompressorSpec spec = cmp_spec(kind, cfg);
+  const bool inner = kind == CmpKind::inner;
+  const index_t R = spec.ratio, HD = spec.head_dim, OUT = spec.out_dim(), SW = spec.state_width();
+  const index_t page = tk::compressor_state_page(cfg, spec), D = cfg.hidden;
+  const index_t cols = cfg.max_seq_len / page;
+  tdtest::Rng rng(seed);
+  static const td::RopeTable rope = td::make_rope_table(cfg, td::LayerKind::csa, cfg.max_seq_len);
+
+  td::Tensor<std::int32_t, 2> table({B, cols});
+  for (auto& v : table.flat()) v = -1;
+  td::Tensor<std::int32_t, 1> pos({B * S});
+  td::Tensor<std::int64_t, 1> state_slots({B * S}), cmp_slots({B * S});
+  std::int32_t blocks = 0;
+  std::vector<index_t> first(static_cast<std::size_t>(B));
+  for (index_t b = 0; b < B; ++b) {
+    const index_t c = 1 + index_t(rng.uniform() * float(cfg.max_seq_len / R - 2));
+    first[std::size_t(b)] = td::rules::compressor_first_position(int(R), spec.overlap, c);
+    const index_t last = c * R + R - 1;
+    for (index_t col = first[std::size_t(b)] / page; col <= last / page; ++col)
+      table.view()(b, col) = blocks++;
+    for (index_t s = 0; s < S; ++s) {
+      const index_t t = b * S + s, p = last - (S - 1) + s;
+      pos.view()(t) = std::int32_t(p);
+      state_slots.view()(t) = std::int64_t(table.view()(b, p / page)) * page + p % page;
+      cmp_slots.view()(t) = p == last ? b : -1;
+    }
+  }
+  td::Tensor<bf16, 2> wkv({OUT, D}), wgate({OUT, D}), x_n({B * S, D});
+  td::Tensor<float, 2> ape({R, OUT});
+  td::Tensor<bf16, 1> norm_w({HD});
+  rng.fill_normal(wkv.flat(), 1.57f / 64.0f);  // kv ~ N(0, 1.57), score ~ N(0, 2.48) (§10.3)
+  rng.fill_normal(wgate.flat(), 2.48f / 64.0f);
+  rng.fill_normal(ape.flat(), 0.12f);
+  rng.fill_normal(x_n.flat());
+  for (auto& v : norm_w.flat())
+    v = bf16(inner ? 0.685f + 0.26f * rng.normal() : 0.9666f + 0.19f * rng.normal());
+  const td::Tensor<bf16, 2> hadamard = td::make_hadamard_bf16(128);
+  const td::Tensor<float, 1> norms = tk::compressor_row_norms(wkv.view(), wgate.view());
+  td::Tensor<float, 1> inf_norms({2 * OUT});
+  for (auto& v : inf_norms.flat()) v = std::numeric_limits<float>::infinity();
+  // The state pool before the step: the rows the step reads and does not write, at the
+  // projections' statistics (kv, then the score).
+  td::Tensor<float, 2> state0({index_t(blocks) * page, SW});
+  for (index_t r = 0; r < state0.extent(0); ++r)
+    for (index_t n = 0; n < SW; ++n) state0.view()(r, n) = rng.normal() * (n < OUT ? 1.57f : 2.48f);
+  const tk::CompressorMetadata meta{td::paged::StepShape{int(B), int(S), -1}, pos.view(),
+                                    state_slots.view(), cmp_slots.view(), table.view()};
+  const td::RopeTableView rv = rope.view();
+
+  const auto run_golden = [&](td::Tensor<float, 2>& st, CmpOut& o) {
+    const tk::CompressorWeights w{wkv.view(), wgate.view(), ape.view(), norm_w.view()};
+    golden_cmp_step({cfg, spec, w, hadamard.view(), rv, inner}, st.view(), o, x_n.view(), meta);
+  };
+  td::Tensor<float, 2> gs = state0;
+  CmpOut g(B, HD);
+  run_golden(gs, g);
+
+  const auto count = [&](const td::Tensor<float, 2>& st, const CmpOut& o) {
+    CmpCheckCounts n;
+    for (std::size_t i = 0; i < o.kv_out.size(); ++i)
+      n.rows += inner ? td::round_bf16(o.kv_out.data()[i]) != td::round_bf16(g.kv_out.data()[i])
+                      : o.cmp.data()[i].bits != g.cmp.data()[i].bits;
+    if (inner) {
+      for (std::size_t i = 0; i < o.idx.size(); ++i) n.idx += o.idx.data()[i] != g.idx.data()[i];
+    }
+    for (index_t t = 0; t < B * S; ++t) {  // the values of the half the window pools
+      const index_t r = state_slots.view()(t), p = pos.view()(t);
+      const index_t c = first[std::size_t(t / S)] / R + (spec.overlap ? 1 : 0);
+      const index_t off = spec.overlap && p >= c * R ? HD : 0;  // the current window: the back half
+      for (index_t d = 0; d < HD; ++d)
+        for (index_t h : {off, OUT + off}) n.state += st.view()(r, h + d) != gs.view()(r, h + d);
+    }
+    return n;
+  };
+  std::printf("%-28s %-14s %10s %8s %10s\n", name, "path", "rows", "INT8", "state");
+  long unchecked = 0;
+  td::ThreadPool pool(2);
+  for (const CmpPath& path : cmp_paths()) {
+    SCOPED_TRACE(path.name);
+    const td::cpu::Context ctx{&pool, path.isa, path.bf16};
+    td::Tensor<float, 1> ws({tk::compressor_workspace_size(cfg, spec, B * S)});
+    for (int mode = 0; mode < 3; ++mode) {  // without norms, with them, with +Inf norms
+      tk::CompressorWeights w{wkv.view(), wgate.view(), ape.view(), norm_w.view()};
+      if (mode == 1) w.row_norms = norms.view();
+      if (mode == 2) w.row_norms = inf_norms.view();
+      td::Tensor<float, 2> st = state0;
+      CmpOut o(B, HD);
+      kernel_cmp_step(ctx, {cfg, spec, w, hadamard.view(), rv, inner}, st.view(), o, x_n.view(),
+                      meta, ws.view());
+      const CmpCheckCounts n = count(st, o);
+      const char* m = mode == 0 ? "" : mode == 1 ? "+check" : "+check(inf)";
+      std::printf("%-28s %-14s %10ld %8ld %10ld  of %ld / %ld / %ld\n", name,
+                  (path.name + m).c_str(), n.rows, n.idx, n.state, long(B * HD),
+                  long(inner ? B * HD : 0), long(B * S * 2 * HD));
+      if (mode == 0) {
+        unchecked += n.rows;
+      } else {
+        EXPECT_EQ(n.rows, 0) << "with the check every emitted rounding is golden's";
+        EXPECT_EQ(n.idx, 0);
+      }
+      if (mode == 2) {
+        EXPECT_EQ(n.state, 0) << "every written candidate recomputed as golden does";
+      }
+      if (mode != 1) continue;
+      // Thread- and batch-invariant: one thread, and the first 16 requests each alone, give the
+      // same bytes (outputs and state pool).
+      td::Tensor<float, 2> st1 = state0;
+      CmpOut o1(B, HD);
+      kernel_cmp_step(td::cpu::Context{nullptr, path.isa, path.bf16},
+                      {cfg, spec, w, hadamard.view(), rv, inner}, st1.view(), o1, x_n.view(), meta,
+                      ws.view());
+      EXPECT_EQ(std::memcmp(st1.data(), st.data(), st.size() * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(o1.cmp.data(), o.cmp.data(), o.cmp.size() * sizeof(bf16)), 0);
+      EXPECT_EQ(std::memcmp(o1.idx.data(), o.idx.data(), o.idx.size()), 0);
+      td::Tensor<float, 2> stb = state0;
+      CmpOut ob(B, HD);
+      for (index_t b = 0; b < std::min<index_t>(B, 16); ++b) {
+        const tk::CompressorMetadata m1{
+            td::paged::StepShape{1, int(S), -1}, pos.view().slice(0, b * S, (b + 1) * S),
+            state_slots.view().slice(0, b * S, (b + 1) * S),
+            cmp_slots.view().slice(0, b * S, (b + 1) * S), table.view().slice(0, b, b + 1)};
+        td::Tensor<float, 1> ws1({tk::compressor_workspace_size(cfg, spec, S)});
+        const td::ConstView<bf16, 2> x1 = x_n.view().slice(0, b * S, (b + 1) * S);
+        if (inner) {
+          tk::indexer_compressor_step(ctx, cfg, stb.view(), ob.idx.view(), ob.scale.view(), {}, x1,
+                                      w, hadamard.view(), m1, rv, ws1.view());
+        } else {
+          tk::compressor_step(ctx, cfg, spec, stb.view(), ob.cmp.view(), {}, x1, w, m1, rv,
+                              ws1.view());
+        }
+        for (index_t d = 0; d < HD; ++d) {
+          EXPECT_EQ(inner ? ob.idx.view()(b, d) : ob.cmp.view()(b, d).bits,
+                    inner ? o.idx.view()(b, d) : o.cmp.view()(b, d).bits);
+        }
+        for (index_t t = b * S; t < (b + 1) * S; ++t) {
+          const index_t r = state_slots.view()(t);
+          EXPECT_EQ(std::memcmp(&stb.view()(r, 0), &st.view()(r, 0), sizeof(float) * SW), 0);
+        }
+      }
+    }
+  }
+  if (!lean) {
+    EXPECT_GT(unchecked, 0) << "the data no longer show the default dots' flips";
+  }
+}
+
+TEST(rounding, CsaCompressorWithTheRoundingCheckRoundsAsGoldenFromTheStepsInputs) {
+  compressor_check_test(CmpKind::csa, 256, 2, 2101, "CSA cmp_kv (check)");
+}
+
+TEST(rounding, HcaCompressorWithTheRoundingCheckRoundsAsGoldenFromTheStepsInputs) {
+  compressor_check_test(CmpKind::hca, 64, 8, 2102, "HCA cmp_kv (check)");
+}
+
+TEST(rounding, IndexerCompressorWithTheRoundingCheckRoundsAsGoldenFromTheStepsInputs) {
+  compressor_check_test(CmpKind::inner, 512, 2, 2103, "inner bf16(y) (check)");
+}

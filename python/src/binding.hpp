@@ -161,10 +161,10 @@ struct Workspace : torch::CustomClassHolder {
 // copies the CPU step needs (indexer query weights; wq_b for the VNNI tiers) and the rounding
 // checks' norms (wq_a's columns, wo_a's rows: the ops qkv_wq_a_norms and
 // output_projection_row_norms give the same, for the standalone qkv_projection and
-// output_projection). Not the transposed wq_a | wkv of LayerWeightsStorage::pack
-// (QkvWeights::bf16_rows): the standalone ops take plain weight tensors, so the q/kv projection
-// keeps the FMA order here and the step's intermediates equal the ops' outputs bit for bit
-// (tests/python/test_kernels.py).
+// output_projection; the compressors' check is opt-in, the ops' optional row_norms). Not the
+// transposed wq_a | wkv of LayerWeightsStorage::pack (QkvWeights::bf16_rows): the standalone ops
+// take plain weight tensors, so the q/kv projection keeps the FMA order here and the step's
+// intermediates equal the ops' outputs bit for bit (tests/python/test_kernels.py).
 struct LayerWeights : torch::CustomClassHolder {
   LayerWeights(std::int64_t kind, c10::Dict<std::string, at::Tensor> tensors, std::string config);
   std::string config;

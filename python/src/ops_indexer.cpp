@@ -34,9 +34,12 @@ tk::CompressorMetadata compressor_meta(std::string_view op, const at::Tensor& po
 
 tk::CompressorWeights compressor_weights(std::string_view op, const at::Tensor& wkv,
                                          const at::Tensor& wgate, const at::Tensor& ape,
-                                         const at::Tensor& norm_w) {
+                                         const at::Tensor& norm_w,
+                                         const c10::optional<at::Tensor>& row_norms) {
+  // row_norms: the opt-in rounding check's (compressor_row_norms; docs/compressors.md).
   return {cview_of<td::bf16, 2>(wkv, op, "wkv"), cview_of<td::bf16, 2>(wgate, op, "wgate"),
-          cview_of<float, 2>(ape, op, "ape"), cview_of<td::bf16, 1>(norm_w, op, "norm_w")};
+          cview_of<float, 2>(ape, op, "ape"), cview_of<td::bf16, 1>(norm_w, op, "norm_w"),
+          opt_view_of<const float, 1>(row_norms, op, "row_norms")};
 }
 
 }  // namespace
@@ -48,7 +51,7 @@ void compressor(const at::Tensor& state, const at::Tensor& cmp_kv,
                 const at::Tensor& state_slot_mapping, const at::Tensor& cmp_slot_mapping,
                 const at::Tensor& state_table, const at::Tensor& rope_cos,
                 const at::Tensor& rope_sin, std::int64_t ratio, std::int64_t seq,
-                const std::string& config) {
+                const std::string& config, const c10::optional<at::Tensor>& row_norms) {
   constexpr std::string_view op = "compressor";
   const td::ModelConfig cfg = parse_config(op, config);
   if (ratio != 4 && ratio != 128)
@@ -61,8 +64,8 @@ void compressor(const at::Tensor& state, const at::Tensor& cmp_kv,
   tk::compressor_step(
       cpu_context(), cfg, spec, state_rows(state, op, "state"), bf16_rows(cmp_kv, op, "cmp_kv"),
       opt_view_of<float, 2>(kv_out, op, "kv_out"), cview_of<td::bf16, 2>(x_n, op, "x_n"),
-      compressor_weights(op, wkv, wgate, ape, norm_w), meta, rope_of(rope_cos, rope_sin, op),
-      td::View<float, 1>(ws.data(), {index_t(ws.size())}));
+      compressor_weights(op, wkv, wgate, ape, norm_w, row_norms), meta,
+      rope_of(rope_cos, rope_sin, op), td::View<float, 1>(ws.data(), {index_t(ws.size())}));
 }
 
 void indexer_compressor(const at::Tensor& state, const at::Tensor& idx_kv_cache,
@@ -72,7 +75,8 @@ void indexer_compressor(const at::Tensor& state, const at::Tensor& idx_kv_cache,
                         const at::Tensor& positions, const at::Tensor& state_slot_mapping,
                         const at::Tensor& idx_slot_mapping, const at::Tensor& state_table,
                         const at::Tensor& rope_cos, const at::Tensor& rope_sin, std::int64_t seq,
-                        std::int64_t rope_rule, const std::string& config) {
+                        std::int64_t rope_rule, const std::string& config,
+                        const c10::optional<at::Tensor>& row_norms) {
   constexpr std::string_view op = "indexer_compressor";
   const td::ModelConfig cfg = parse_config(op, config);
   if (rope_rule != 0 && rope_rule != 1)
@@ -88,10 +92,23 @@ void indexer_compressor(const at::Tensor& state, const at::Tensor& idx_kv_cache,
       cpu_context(), cfg, state_rows(state, op, "state"),
       int8_rows(idx_kv_cache, op, "idx_kv_cache"), scale_rows(idx_kv_scale, op, "idx_kv_scale"),
       opt_view_of<float, 2>(kv_out, op, "kv_out"), cview_of<td::bf16, 2>(x_n, op, "x_n"),
-      compressor_weights(op, wkv, wgate, ape, norm_w),
+      compressor_weights(op, wkv, wgate, ape, norm_w, row_norms),
       cview_of<td::bf16, 2>(hadamard, op, "hadamard"), meta, rope_of(rope_cos, rope_sin, op),
       td::View<float, 1>(ws.data(), {index_t(ws.size())}),
       rope_rule == 0 ? tk::InnerRopePosition::window_start : tk::InnerRopePosition::request_start);
+}
+
+// The compressors' opt-in rounding-check norms (a load-time preparation): each row of wkv, then of
+// wgate, bounded from above (FP32, +Inf for one with a NaN).
+void compressor_row_norms(const at::Tensor& norm, const at::Tensor& wkv, const at::Tensor& wgate) {
+  constexpr std::string_view op = "compressor_row_norms";
+  const auto k = cview_of<td::bf16, 2>(wkv, op, "wkv");
+  const auto g = cview_of<td::bf16, 2>(wgate, op, "wgate");
+  td::check_extents(op, "wgate", g, {k.extent(0), k.extent(1)});
+  const auto nv = view_of<float, 1>(norm, op, "norm");
+  td::check_extents(op, "norm", nv, {2 * k.extent(0)});
+  const td::Tensor<float, 1> n = tk::compressor_row_norms(k, g);
+  for (index_t i = 0; i < 2 * k.extent(0); ++i) nv(i) = n.data()[i];
 }
 
 void indexer_query(const at::Tensor& q_i8, const at::Tensor& q_scale, const at::Tensor& qr,
@@ -159,6 +176,7 @@ void indexer_topk(const at::Tensor& topk_idxs, const at::Tensor& score, const at
 TORCH_LIBRARY_IMPL(tiledecode, CompositeImplicitAutograd, m) {
   m.impl("compressor", TORCH_FN(compressor));
   m.impl("indexer_compressor", TORCH_FN(indexer_compressor));
+  m.impl("compressor_row_norms", TORCH_FN(compressor_row_norms));
   m.impl("indexer_query", TORCH_FN(indexer_query));
   m.impl("indexer_weights", TORCH_FN(indexer_weights));
   m.impl("indexer_score", TORCH_FN(indexer_score));

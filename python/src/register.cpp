@@ -105,13 +105,14 @@ TORCH_LIBRARY(tiledecode, m) {
       "compressor(Tensor(a!) state, Tensor(b!) cmp_kv, Tensor(c!)? kv_out, Tensor x_n, "
       "Tensor wkv, Tensor wgate, Tensor ape, Tensor norm_w, Tensor positions, "
       "Tensor state_slot_mapping, Tensor cmp_slot_mapping, Tensor state_table, Tensor rope_cos, "
-      "Tensor rope_sin, int ratio, int seq, str config=\"flash\") -> ()");
+      "Tensor rope_sin, int ratio, int seq, str config=\"flash\", Tensor? row_norms=None) -> ()");
   m.def(
       "indexer_compressor(Tensor(a!) state, Tensor(b!) idx_kv_cache, Tensor(c!) idx_kv_scale, "
       "Tensor(d!)? kv_out, Tensor x_n, Tensor wkv, Tensor wgate, Tensor ape, Tensor norm_w, "
       "Tensor hadamard, Tensor positions, Tensor state_slot_mapping, Tensor idx_slot_mapping, "
       "Tensor state_table, Tensor rope_cos, Tensor rope_sin, int seq, int rope_rule=0, "
-      "str config=\"flash\") -> ()");
+      "str config=\"flash\", Tensor? row_norms=None) -> ()");
+  m.def("compressor_row_norms(Tensor(a!) norm, Tensor wkv, Tensor wgate) -> ()");
 
   // ---- lightning indexer (spec §7)
   m.def(

@@ -114,6 +114,19 @@ def test_kernel_ops_bad_inputs(csa):
         ops.output_projection(out, L.v["o_packed"], L.w["wo_a"], L.w["wo_b"], L.w["wo_b_scale"],
                               str(c), norm[:, 1:])
     assert out.eq(1.0).all()
+    # the compressor's rounding-check norms: a NaN, a wrong shape; nothing written
+    state = L.before["state"].clone()
+    cmp_kv = L.before["cmp_kv"].clone()
+    cnorm = torch.empty(2 * L.w["cmp_wkv"].shape[0])
+    ops.compressor_row_norms(cnorm, L.w["cmp_wkv"], L.w["cmp_wgate"])
+    cnorm[7] = float("nan")
+    for bad, what in ((cnorm, r"row_norms\[7\]"), (cnorm[1:], "row_norms")):
+        with pytest.raises(RuntimeError, match=what):
+            ops.compressor(state, cmp_kv, None, L.v["x_n"], L.w["cmp_wkv"], L.w["cmp_wgate"],
+                           L.w["cmp_ape"], L.w["cmp_norm_w"], m["position_ids"],
+                           m["csa_state_slot_mapping"], m["csa_cmp_slot_mapping"],
+                           L.tables["csa_state_table"], *L.rope, 4, L.S, str(c), bad)
+    assert torch.equal(state, L.before["state"]) and torch.equal(cmp_kv, L.before["cmp_kv"])
     # top-k: k larger than the row
     topk = torch.full((L.T, c.score_len), 7, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="topk"):

@@ -120,6 +120,13 @@ struct LayerWeightsStorage {
   // scale of the CPU q-latent's rounding check, which makes the default BF16 dots give golden's
   // qr (Q_LORA floats, not counted in bytes()).
   Tensor<float, 1> wq_a_norm;
+  // Per wkv and wgate row of the main and the inner compressor an upper bound of its norm
+  // (kernels::compressor_row_norms), opt-in: pack() leaves them empty; a caller that sets them
+  // (enable_compressor_rounding_check) turns on the CPU compressors' rounding check, which makes
+  // their BF16 rows round as golden's do from the step's inputs, at a cost that exceeds the 5 %
+  // budget on steps that close windows (docs/compressors.md; 2·OUT_DIM floats each, not counted
+  // in bytes()).
+  Tensor<float, 1> cmp_row_norms, inner_row_norms;
 
   LayerWeightsStorage() = default;
   LayerWeightsStorage(const ModelConfig& cfg, LayerKind k) : kind(k) {
@@ -178,12 +185,14 @@ struct LayerWeightsStorage {
     if (wo_a_norm.size() > 0) w.wo_a_norm = wo_a_norm.view();
     if (wq_a_norm.size() > 0) w.qkv.wq_a_norm = wq_a_norm.view();
     w.compressor = {cmp_wkv.view(), cmp_wgate.view(), cmp_ape.view(), cmp_norm_w.view()};
+    if (cmp_row_norms.size() > 0) w.compressor.row_norms = cmp_row_norms.view();
     w.indexer = {idx_wq_b.view(),
                  idx_wq_b_scale.view(),
                  weights_proj.view(),
                  hadamard.view(),
                  {inner_wkv.view(), inner_wgate.view(), inner_ape.view(), inner_norm_w.view()},
                  kind == LayerKind::csa && idx_packed.q_lora > 0 ? &idx_packed : nullptr};
+    if (inner_row_norms.size() > 0) w.indexer.compressor.row_norms = inner_row_norms.view();
     return w;
   }
 
@@ -201,6 +210,15 @@ struct LayerWeightsStorage {
     if (kind != LayerKind::csa) return;
     idx_packed = kernels::pack_indexer_query_weights(cfg, idx_wq_b.view(), idx_wq_b_scale.view(),
                                                      hadamard.view());
+  }
+
+  // Opt-in: the compressors' rounding check (CompressorWeights::row_norms) for this layer's
+  // compressors (none on SWA).
+  void enable_compressor_rounding_check() {
+    if (kind == LayerKind::swa) return;
+    cmp_row_norms = kernels::compressor_row_norms(cmp_wkv.view(), cmp_wgate.view());
+    if (kind == LayerKind::csa)
+      inner_row_norms = kernels::compressor_row_norms(inner_wkv.view(), inner_wgate.view());
   }
 
   std::size_t bytes() const {

@@ -95,6 +95,19 @@
 // −0.6 %, HCA +2.7 / +3.6 %, inner −0.2 / +1.4 % on the avx2 tier (the 5 % budget holds). The
 // 8-candidate windows got faster (two passes, no online rescale); a 128-candidate HCA row costs
 // 47 µs on AVX2 and 43 µs on AVX-512 against 39–40 µs before (hot cache).
+// Rounding check (opt-in: CompressorWeights::row_norms given; the CPU tiers). The double pooling
+// gives golden's y of the same state rows, but the rows this step writes are its own FP32 dots, a
+// few FP32 ulps from golden's: from the same step inputs (x_n, the weights, the state pool before
+// the step) golden rounds other values. Before each emit the check bounds, per value of y, how far
+// golden's y can be (the written state values' dot bounds, through the softmax weights, the RMS
+// factor and the RoPE), and recomputes as golden does the state values of every value whose bound
+// holds a BF16 rounding boundary: that value's channel first, every channel of the written
+// candidates if the RMS factor still leaves one in doubt (backend/cpu/compressor.hpp "Rounding
+// check"). Measured: 0 of 131072 CSA, 32768 HCA and 65536 inner values off golden's from the same
+// inputs, where the default dots alone give 1-8 (tests/test_rounding.cpp, docs/compressors.md).
+// Opt-in because its repairs (exact dots of one or two tokens, from memory) cost more than the
+// 5 % budget on steps that close windows: measured 2.2x (CSA), 8.2x (HCA), 2.3x (inner) on
+// bench_compressor's `_boundary` rows at T = 8 (docs/compressors.md).
 // The a2a3 model keeps FP32 (backend/a2a3/compressor.hpp says why).
 
 // Program (below): project (the BF16 tile matmul of x_n with [wkv; wgate], + ape) -> per request,
@@ -158,7 +171,26 @@ struct CompressorWeights {
   ConstView<bf16, 2> wgate;   // (OUT_DIM, D) BF16
   ConstView<float, 2> ape;    // (R, OUT_DIM) FP32, added to the gate of position pos % R
   ConstView<bf16, 1> norm_w;  // (head_dim) BF16 RMSNorm weight
+  // Optional, opt-in: per row of wkv, then per row of wgate, an upper bound of its Euclidean norm
+  // (compressor_row_norms), each >= 0 (+Inf: a bound that trusts nothing). Given it, the CPU
+  // backend's rounding check (backend/cpu/compressor.hpp) makes every emitted BF16 row round as
+  // golden's does from the step's inputs, recomputing as golden does the state values whose error
+  // could flip one of its roundings.
+  ConstView<float, 1> row_norms = {};  // (2 * OUT_DIM)
 };
+
+// Per row of wkv, then of wgate, an upper bound of its Euclidean norm (bf16_norm_bound: FP32,
+// rounded up; +Inf past FLT_MAX or for a row with a NaN): CompressorWeights::row_norms. A load-time
+// preparation (decode/layer.hpp LayerWeightsStorage::enable_compressor_rounding_check).
+inline Tensor<float, 1> compressor_row_norms(ConstView<bf16, 2> wkv, ConstView<bf16, 2> wgate) {
+  const index_t OUT = wkv.extent(0), D = wkv.extent(1);
+  Tensor<float, 1> r({2 * OUT});
+  for (index_t n = 0; n < OUT; ++n) {
+    r.data()[n] = bf16_norm_bound(&wkv(n, 0), D);
+    r.data()[OUT + n] = bf16_norm_bound(&wgate(n, 0), wgate.extent(1));
+  }
+  return r;
+}
 
 // Step metadata of one compressor (spec §3). Slot mappings are INT64 flattened physical rows,
 // -1 = "do not write"; table entries < 0 are unmapped pages.
@@ -187,11 +219,13 @@ constexpr index_t ws_round(index_t n) {
 
 // Workspace (FP32 elements) one compressor step with `tokens` = B*S rows needs:
 // x_n widened to FP32 (T, D), the projected state rows (T, 2*OUT_DIM), one masked state row,
-// and the pooled / normalised / rotated row buffers.
+// the pooled / normalised / rotated row buffers, and the rounding check's row, bounds and token
+// order (T INT32).
 constexpr index_t compressor_workspace_size(const ModelConfig& cfg, const CompressorSpec& spec,
                                             index_t tokens) {
   return detail::ws_round(tokens * cfg.hidden) + detail::ws_round(tokens * spec.state_width()) +
-         detail::ws_round(spec.state_width()) + 3 * detail::ws_round(spec.head_dim);
+         detail::ws_round(spec.state_width()) + 5 * detail::ws_round(spec.head_dim) +
+         detail::ws_round(tokens);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -249,6 +283,10 @@ inline void check_compressor_args(std::string_view where, const ModelConfig& cfg
   // Extents, data and a unit stride (the a2a3 model copies it as one contiguous row): a
   // right-sized view without data used to pass and crash the pooling (tests/test_all_or_nothing).
   check_rows(where, "w.norm_w", w.norm_w, {HD});
+  if (view_given(w.row_norms.size(), w.row_norms.data())) {
+    check_rows(where, "w.row_norms", w.row_norms, {2 * OUT});
+    check_nonnegative(where, "w.row_norms", w.row_norms, "a value >= 0 (compressor_row_norms)");
+  }
   check_matrix<float>(where, "state_pool", state_pool, -1, spec.state_width());
   if (view_given(kv_out.size(), kv_out.data())) check_matrix<float>(where, "kv_out", kv_out, B, HD);
   check_rope_table(where, rope);
@@ -393,6 +431,7 @@ void compressor_program(const B& be, const CompressorArgs& a) {
       const index_t c = a.meta.positions(t) / a.spec.ratio;
       Ops::pool(lane, a, b, c);                        // gated softmax over the window
       Ops::norm_rope(lane, a, a.rope_position(b, c));  // RMSNorm·norm_w, RoPE (last 64)
+      Ops::check_rounding(lane, a, b, c);              // the rounding check (CPU, issue 17)
       Ops::emit(lane, a, b, t, slot);                  // cmp_kv row / index row (+ kv_out)
     }
   });

@@ -24,6 +24,7 @@
 #include "tiledecode/backend/cpu/bf16_rows_avx512.hpp"
 #include "tiledecode/backend/cpu/compressor_avx2.hpp"
 #include "tiledecode/backend/cpu/compressor_avx512.hpp"
+#include "tiledecode/backend/cpu/compressor_check.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/quant.hpp"
 #include "tiledecode/kernels/compressor.hpp"
@@ -77,12 +78,15 @@ inline void hadamard_row_scalar(float* z, const float* y, const bf16* h, index_t
 }
 
 struct CompressorWorkspace {
-  float* x32;       // (T, D)
-  float* proj;      // (T, 2*OUT_DIM): [kv | g] = the state rows of this step
-  float* null_row;  // (2*OUT_DIM): kv 0, score kNegBig — stands in for unmapped state rows
-  float* pooled;    // (head_dim)
-  float* y;         // (head_dim)
-  float* z;         // (head_dim)
+  float* x32;             // (T, D)
+  float* proj;            // (T, 2*OUT_DIM): [kv | g] = the state rows of this step
+  float* null_row;        // (2*OUT_DIM): kv 0, score kNegBig — stands in for unmapped state rows
+  float* pooled;          // (head_dim)
+  float* y;               // (head_dim)
+  float* z;               // (head_dim)
+  float* y_lo;            // (head_dim) the rounding check: y's double as the FP32 pair y + y_lo
+  float* bound;           // (head_dim) the rounding check: the pooled values' error bounds
+  std::int32_t* written;  // (T) the rounding check: tokens sorted by (state slot, t)
 };
 
 inline CompressorWorkspace carve_workspace(const ModelConfig& cfg, const CompressorSpec& spec,
@@ -94,6 +98,9 @@ inline CompressorWorkspace carve_workspace(const ModelConfig& cfg, const Compres
   w.pooled = w.null_row + ws_round(spec.state_width());
   w.y = w.pooled + ws_round(spec.head_dim);
   w.z = w.y + ws_round(spec.head_dim);
+  w.y_lo = w.z + ws_round(spec.head_dim);
+  w.bound = w.y_lo + ws_round(spec.head_dim);
+  w.written = reinterpret_cast<std::int32_t*>(w.bound + ws_round(spec.head_dim));
   return w;
 }
 
@@ -191,11 +198,19 @@ struct backend_ops_compressor {
       for (index_t o = 0; o < OUT; ++o) g[o] += a.w.ape(r, o);
     }
     for (index_t i = 0; i < SW; ++i) ws.null_row[i] = i < OUT ? 0.0f : kNegBig;
+    if (checking(be, a)) {  // the rounding check's lookup of the step's writers (writer below)
+      for (index_t t = 0; t < T; ++t) ws.written[t] = std::int32_t(t);
+      std::sort(ws.written, ws.written + T, [&](std::int32_t x, std::int32_t y) {
+        const std::int64_t kx = slot_key(a, x), ky = slot_key(a, y);
+        return kx != ky ? kx < ky : x < y;
+      });
+    }
   }
 
   struct Lane {
     const Cpu<I>* be;
     Ws ws;
+    double r = 0.0;  // the last norm_rope's RMS factor
   };
   // Requests in order on the calling thread (each pooling is parallel over channel blocks).
   template <class Body>
@@ -258,7 +273,7 @@ struct backend_ops_compressor {
   // through the table by absolute position; an unmapped one reads the null row); returns their
   // number.
   static int window_rows(const Lane& z, const kernels::CompressorArgs& a, index_t b, index_t c,
-                         const float** kv, const float** sc) {
+                         const float** kv, const float** sc, std::int64_t* rows = nullptr) {
     const index_t HD = a.spec.head_dim, OUT = a.spec.out_dim();
     const index_t page = kernels::compressor_state_page(*a.cfg, a.spec);
     rules::PoolCandidate cand[2 * 128];
@@ -269,6 +284,7 @@ struct backend_ops_compressor {
       const index_t off = cand[j].half ? HD : 0;
       kv[j] = r + off;
       sc[j] = r + OUT + off;
+      if (rows) rows[j] = row;
     }
     return n;
   }
@@ -284,13 +300,239 @@ struct backend_ops_compressor {
     for (index_t i = 0; i < HD; ++i) ss += pooled(i) * pooled(i);
     const double r = 1.0 / std::sqrt(ss / double(HD) + double(a.cfg->rms_eps));
     const index_t nope = HD - kRopeDim;
-    for (index_t i = 0; i < nope; ++i)
-      z.ws.y[i] = float(pooled(i) * r * double(a.w.norm_w(i).to_float()));
+    // y as FP32, and its double as y + y_lo for the rounding check (48 bits; unused otherwise).
+    const auto put = [&](index_t i, double v) {
+      z.ws.y[i] = float(v);
+      z.ws.y_lo[i] = float(v - double(z.ws.y[i]));
+    };
+    for (index_t i = 0; i < nope; ++i) put(i, pooled(i) * r * double(a.w.norm_w(i).to_float()));
     double y[kRopeDim];
     for (index_t i = 0; i < kRopeDim; ++i)
       y[i] = pooled(nope + i) * r * double(a.w.norm_w(nope + i).to_float());
     rope_forward_f64(y, a.rope.cos_row(rope_pos), a.rope.sin_row(rope_pos), kRopeDim);
-    for (index_t i = 0; i < kRopeDim; ++i) z.ws.y[nope + i] = float(y[i]);
+    for (index_t i = 0; i < kRopeDim; ++i) put(nope + i, y[i]);
+    z.r = r;
+  }
+
+  // ---- Rounding check (issue 17) -------------------------------------------------------------
+  // y is rounded to BF16 next (the cmp_kv row; the inner compressor's Hadamard input, whose
+  // Hadamard and Q8 are golden's arithmetic on golden's bf16(y)). The pooling is double, so y is
+  // golden's y of the same state rows; what still differs are the state values this step wrote,
+  // the FP32 dots x_n · wkv / wgate a few FP32 ulps from golden's (exact, then rounded). Those are
+  // the step's own, so golden, run on the step's inputs (x_n, the weights, the state pool before
+  // the step), rounds from other values. The check bounds, per value of y, how far golden's y can
+  // be, and recomputes as golden does (bf16_exact.hpp: ascending-k double sums, rounded to FP32,
+  // + ape) the state values of every value whose bound holds a BF16 rounding boundary:
+  //   * per channel d, the pooled value's bound B_d (compressor_check.hpp: each written state
+  //     value within κ · 2^-24 · max|x_n[t]| · |w_row| + two FP32 roundings of golden's, through
+  //     the softmax weights);
+  //   * the RMS factor r's relative bound ρ = sqrt(Σ_d (p_d B_d)²) / (Σ_d p_d² + hd · eps): the
+  //     root of the sum of squares, not the sum, since the channels' errors are independent
+  //     roundings of different weight rows (measured: |r / r_golden − 1| <= 0.30 · ρ / κ on the
+  //     vdpbf16ps order and 0.42 · ρ / κ on the FMA order, so κ leaves 38x above the largest);
+  //   * value i: Y_i = |r · norm_w[i]| · B_i + |y_i| · ρ (the RoPE pairs: |cos| Y_even + |sin|
+  //     Y_odd and back), plus 2^-40 |y_i| for the double arithmetic; listed when
+  //     bf16(fp32(y_i − Y_i)) != bf16(fp32(y_i + Y_i)) (the two roundings are monotone, so golden's
+  //     y, within Y_i, rounds as y does otherwise).
+  // Repairs, in two steps: the channels of the listed values first (each written candidate's kv
+  // and score, 16 dots at a time; their B_d becomes 0; re-pooled by the scalar twin, the tiers'
+  // bits), then, if a value is still listed (ρ: golden's r needs every channel), every channel of
+  // every written candidate (bf16_rows_dot_exact), and the row is pooled again. The repaired state
+  // values are golden's, and they stay in the pool. A row with a non-finite y is not checked (its
+  // policy is the kernel's). Opt-in (CompressorWeights::row_norms): its cost exceeds the 5 %
+  // budget on steps that close windows. Cost and rates: docs/compressors.md ("Rounding accuracy").
+  static constexpr int kMaxChannels = 32;  // channel repairs per row; past that, every channel
+
+  static bool checking(const Cpu<I>& be, const kernels::CompressorArgs& a) {
+    return kernels::detail::view_given(a.w.row_norms.size(), a.w.row_norms.data()) &&
+           be.bf16_dot != Bf16Dot::exact;
+  }
+  static std::int64_t slot_key(const kernels::CompressorArgs& a, index_t t) {
+    const std::int64_t s = a.meta.state_slot_mapping(t);
+    return s < 0 ? INT64_MAX : s;
+  }
+  // The last token t < lim (program order: requests, then tokens) that wrote state row `row` in
+  // this step, or -1: a binary search of the tokens sorted by (slot, t).
+  static index_t writer(const Ws& ws, const kernels::CompressorArgs& a, std::int64_t row,
+                        index_t lim) {
+    index_t lo = 0, hi = a.tokens();
+    while (lo < hi) {
+      const index_t mid = (lo + hi) / 2, t = ws.written[mid];
+      const std::int64_t k = slot_key(a, t);
+      if (k < row || (k == row && t < lim)) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    if (lo == 0) return -1;
+    const index_t t = ws.written[lo - 1];
+    return slot_key(a, t) == row ? t : -1;
+  }
+
+  // A candidate written in this step: its bound's inputs, its token and where its values live.
+  struct WrittenCand {
+    compressor_check::Written w;
+    index_t t;
+    float* row;   // its state row
+    index_t off;  // its half (0 or head_dim)
+  };
+
+  // The channels of the values of y whose interval holds a BF16 rounding boundary (the RoPE
+  // pairs: both), in ch; returns their number, or kMaxChannels + 1 past kMaxChannels.
+  static int listed_channels(const Lane& z, const kernels::CompressorArgs& a, index_t rope_pos,
+                             int* ch) {
+    const index_t HD = a.spec.head_dim, nope = HD - kRopeDim;
+    const Ws& ws = z.ws;
+    const auto pooled = [&](index_t i) { return double(ws.pooled[i]) + double(ws.z[i]); };
+    double ss = 0.0, q = 0.0;
+    for (index_t i = 0; i < HD; ++i) {
+      const double p = pooled(i), e = p * double(ws.bound[i]);
+      ss += p * p;
+      q += e * e;
+    }
+    const double rho = std::sqrt(q) / (ss + double(HD) * double(a.cfg->rms_eps));
+    const auto yv = [&](index_t i) { return double(ws.y[i]) + double(ws.y_lo[i]); };
+    const auto own = [&](index_t i) {
+      return std::fabs(z.r * double(a.w.norm_w(i).to_float())) * double(ws.bound[i]);
+    };
+    const auto boundary = [](double y, double w) {
+      return bf16(float(y - w)).bits != bf16(float(y + w)).bits;
+    };
+    int n = 0;
+    const auto add = [&](index_t i) {
+      if (n <= kMaxChannels) ch[std::min(n, kMaxChannels)] = int(i);
+      n = std::min(n + 1, kMaxChannels + 1);
+    };
+    for (index_t i = 0; i < nope; ++i) {
+      const double y = yv(i), w = own(i) + std::fabs(y) * (rho + 0x1p-40);
+      if (boundary(y, w)) add(i);
+    }
+    const bf16* cs = a.rope.cos_row(rope_pos);
+    const bf16* sn = a.rope.sin_row(rope_pos);
+    for (index_t k = 0; k < kRopeDim / 2; ++k) {
+      const index_t e = nope + 2 * k, o = e + 1;
+      const double nc = std::fabs(double(cs[k].to_float())),
+                   ns = std::fabs(double(sn[k].to_float()));
+      const auto u = [&](index_t i) {  // |the value before the rotation|, and its bound
+        return std::fabs(pooled(i) * z.r * double(a.w.norm_w(i).to_float()));
+      };
+      const double ue = own(e) + u(e) * rho, uo = own(o) + u(o) * rho;
+      const double ye = yv(e), yo = yv(o);
+      const double we = nc * ue + ns * uo + std::fabs(ye) * 0x1p-40;
+      const double wo = ns * ue + nc * uo + std::fabs(yo) * 0x1p-40;
+      if (boundary(ye, we) || boundary(yo, wo)) add(e), add(o);
+    }
+    return n;
+  }
+
+  static void check_rounding(Lane& z, const kernels::CompressorArgs& a, index_t b, index_t c) {
+    if (!checking(*z.be, a)) return;
+    const index_t HD = a.spec.head_dim, OUT = a.spec.out_dim(), S = a.meta.shape.seq;
+    const index_t D = a.cfg->hidden, R = a.spec.ratio, ld = a.state_pool.stride(0);
+    const Ws& ws = z.ws;
+    for (index_t i = 0; i < HD; ++i)
+      if (!std::isfinite(ws.y[i])) return;
+    const float* kv[2 * 128];
+    const float* sc[2 * 128];
+    std::int64_t rows[2 * 128];
+    const int n = window_rows(z, a, b, c, kv, sc, rows);
+    WrittenCand wc[2 * 128];
+    compressor_check::Written wr[2 * 128];
+    int nw = 0;
+    const float* nk = a.w.row_norms.data();
+    for (int j = 0; j < n; ++j) {
+      if (rows[j] < 0) continue;
+      const index_t t = writer(ws, a, rows[j], (b + 1) * S);
+      if (t < 0) continue;  // an input of the step
+      float* row = a.state_pool.data() + rows[j] * ld;
+      const index_t off = kv[j] - row;
+      const float ax =
+          compressor_check::kKappa * 0x1p-24f *
+          compressor_check::bf16_abs_max(reinterpret_cast<const std::uint16_t*>(&a.x_n(t, 0)), D);
+      wr[nw] = {kv[j], sc[j], nk + off, nk + OUT + off, &a.w.ape(a.meta.positions(t) % R, off), ax};
+      wc[nw] = {wr[nw], t, row, off};
+      ++nw;
+    }
+    if (nw == 0) return;  // every candidate is an input: y is golden's
+    compressor_check::pool_bound(I, ws.bound, ws.pooled, sc, n, wr, nw, HD);
+    const index_t rope_pos = a.rope_position(b, c);
+    int ch[kMaxChannels + 1];
+    int nch = listed_channels(z, a, rope_pos, ch);
+    if (nch == 0) return;
+    if (nch <= kMaxChannels) {
+      repair_channels(z, a, wc, nw, ch, nch);
+      for (int i = 0; i < nch; ++i) {
+        ws.bound[ch[i]] = 0.0f;
+        kernels::detail::pool_channels_scalar(ws.pooled, ws.z, kv, sc, n, ch[i], ch[i] + 1);
+      }
+      norm_rope(z, a, rope_pos);
+      nch = listed_channels(z, a, rope_pos, ch);
+      if (nch == 0) return;
+    }
+    repair_rows(z, a, wc, nw);
+    pool(z, a, b, c);
+    norm_rope(z, a, rope_pos);
+  }
+
+  // Golden's state values of channels ch[0 .. nch) of every written candidate: kv and score.
+  static void repair_channels(const Lane& z, const kernels::CompressorArgs& a,
+                              const WrittenCand* wc, int nw, const int* ch, int nch) {
+    const index_t D = a.cfg->hidden, OUT = a.spec.out_dim();
+    const bf16* xp[kPairDots];
+    const bf16* wp[kPairDots];
+    float* dst[kPairDots];
+    const float* add[kPairDots];
+    double s[kPairDots];
+    int m = 0;
+    const auto flush = [&] {
+      bf16_pair_dots_exact(I, m, xp, wp, D, s);
+      for (int k = 0; k < m; ++k) *dst[k] = add[k] ? float(s[k]) + *add[k] : float(s[k]);
+      m = 0;
+    };
+    for (int q = 0; q < nw; ++q) {
+      const WrittenCand& w = wc[q];
+      for (int i = 0; i < nch; ++i) {
+        const index_t r = w.off + ch[i];
+        for (int g = 0; g < 2; ++g) {
+          xp[m] = &a.x_n(w.t, 0);
+          wp[m] = g ? &a.w.wgate(r, 0) : &a.w.wkv(r, 0);
+          dst[m] = w.row + (g ? OUT : 0) + r;
+          add[m] = g ? w.w.ape + ch[i] : nullptr;
+          if (++m == kPairDots) flush();
+        }
+      }
+    }
+    if (m > 0) flush();
+    (void)z;
+  }
+
+  // Golden's state values of every channel of every written candidate (its half: kv and score).
+  static void repair_rows(const Lane& z, const kernels::CompressorArgs& a, const WrittenCand* wc,
+                          int nw) {
+    const index_t D = a.cfg->hidden, OUT = a.spec.out_dim(), HD = a.spec.head_dim;
+    const index_t blocks = (HD + kExactTaskRows - 1) / kExactTaskRows;
+    // A row written twice (two candidates on one state row and half: an aliased table) once.
+    const auto dup = [&](int q) {
+      for (int p = 0; p < q; ++p)
+        if (wc[p].row == wc[q].row && wc[p].off == wc[q].off) return true;
+      return false;
+    };
+    z.be->tasks(std::int64_t(nw) * 2 * blocks, [&](std::int64_t i) {
+      const int q = int(i / (2 * blocks));
+      const bool gate = (i / blocks) % 2 == 1;
+      if (dup(q)) return;
+      const WrittenCand& w = wc[q];
+      const index_t r0 = (i % blocks) * kExactTaskRows, nr = std::min(kExactTaskRows, HD - r0);
+      const ConstView<bf16, 2>& m = gate ? a.w.wgate : a.w.wkv;
+      bf16_rows_dot_exact(I, w.row + (gate ? OUT : 0) + w.off + r0, 1, &a.x_n(w.t, 0),
+                          a.x_n.stride(0), 1, &m(w.off + r0, 0), m.stride(0), nr, D);
+    });
+    for (int q = 0; q < nw; ++q) {
+      if (dup(q)) continue;
+      float* g = wc[q].row + OUT + wc[q].off;
+      for (index_t d = 0; d < HD; ++d) g[d] += wc[q].w.ape[d];
+    }
   }
   // Main: cmp_kv[slot] = bf16(y). Inner: y_bf = bf16(y), z = y_bf @ H, z_bf = bf16(z), Q8.
   static void emit(Lane& z, const kernels::CompressorArgs& a, index_t b, index_t, index_t slot) {
