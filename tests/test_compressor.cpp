@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <set>
@@ -344,6 +345,51 @@ void check_case(const Options& o, int expected_emitted) {
 }
 
 // --- CSA main compressor (ratio 4, overlapping) ----------------------------------------------
+
+// CompressorWeights::row_norms (the opt-in rounding check) is validated before anything is
+// written: extent 2·OUT_DIM, every value >= 0 (NaN and negative rejected, naming the element);
+// compressor_row_norms bounds each row's norm from above and gives +Inf to a row with a NaN.
+TEST(CsaCompressor, RoundingCheckRejectsBadNorms) {
+  const Fixture f = make_fixture({.kind = Kind::csa, .starts = {8192, 0, 2, 3}});
+  const auto& w = weights(Kind::csa);
+  const index_t OUT = f.spec.out_dim(), D = cfg().hidden;
+  const td::Tensor<float, 1> good = tk::compressor_row_norms(w.wkv.view(), w.wgate.view());
+  for (index_t r : {index_t(0), OUT - 1, OUT, 2 * OUT - 1}) {
+    const bf16* row = r < OUT ? &w.wkv.view()(r, 0) : &w.wgate.view()(r - OUT, 0);
+    double ss = 0.0;
+    for (index_t k = 0; k < D; ++k) ss += double(row[k].to_float()) * row[k].to_float();
+    EXPECT_GE(double(good.view()(r)), std::sqrt(ss)) << r;
+    EXPECT_LE(double(good.view()(r)), std::sqrt(ss) * (1.0 + 0x1p-21)) << r;
+  }
+  const auto expect_rejected = [&](td::ConstView<float, 1> norms, const char* want) {
+    Outputs o = fresh_outputs(f);
+    tk::CompressorWeights cw = w.view();
+    cw.row_norms = norms;
+    td::Tensor<float, 1> ws({tk::compressor_workspace_size(cfg(), f.spec, f.shape.tokens())});
+    try {
+      tk::compressor_step(td::cpu::make_context(nullptr), cfg(), f.spec, o.state.view(),
+                          o.cmp.view(), o.kv_out.view(), f.x_n.view(), cw, f.meta(),
+                          rope_table().view(), ws.view());
+      ADD_FAILURE() << want << ": no throw";
+    } catch (const td::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(std::memcmp(o.state.data(), f.state_pool.data(), o.state.size() * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(o.cmp.data(), f.cmp_pool.data(), o.cmp.size() * sizeof(bf16)), 0);
+  };
+  td::Tensor<float, 1> shape({2 * OUT + 1});
+  expect_rejected(shape.view(), "w.row_norms");
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), -1.0f}) {
+    td::Tensor<float, 1> n = good;
+    n.view()(OUT + 3) = bad;
+    expect_rejected(n.view(), ("w.row_norms[" + std::to_string(OUT + 3) + "]").c_str());
+  }
+  td::Tensor<bf16, 2> wk = w.wkv;
+  wk.view()(9, 100) = bf16(std::numeric_limits<float>::quiet_NaN());
+  const td::Tensor<float, 1> nn = tk::compressor_row_norms(wk.view(), w.wgate.view());
+  EXPECT_EQ(nn.view()(9), std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isfinite(nn.view()(10)));
+}
 
 TEST(CsaCompressor, CanonicalStarts) {
   // 8192: no boundary; 0: none; 2: boundary on the 2nd token (c = 0); 3: on the 1st (c = 0).

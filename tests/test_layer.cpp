@@ -626,7 +626,8 @@ struct LayerRun {
 // Runs kernel and golden on copies of the same pools; compares x_out and every pool.
 void check_layer(td::LayerKind kind, std::array<std::int32_t, 4> starts, int commit,
                  td::cpu::Isa isa, const td::decode::LayerOptions& opt = {},
-                 td::paged::Layout layout = td::paged::Layout::base, int S = 2) {
+                 td::paged::Layout layout = td::paged::Layout::base, int S = 2,
+                 bool compressor_check = false) {
   const auto cfg = td::flash_config();
   const int B = 4;
   td::ThreadPool pool(2);
@@ -649,6 +650,10 @@ void check_layer(td::LayerKind kind, std::array<std::int32_t, 4> starts, int com
       x_gold({T, 4, cfg.hidden});
   td::decode::synthetic::fill_x_hc(be.cpu_ctx, x_hc.view(), 99, 0);
 
+  if (compressor_check) {
+    L.weights.enable_compressor_rounding_check();
+    EXPECT_EQ(L.weights.view().compressor.row_norms.extent(0), 2 * L.weights.cmp_wkv.extent(0));
+  }
   const auto w = L.weights.view();
   td::decode::layer_step(be, x_out.view(), x_hc.view(), w, L.caches.view(), md, L.rope.view(), ws,
                          cfg, opt);
@@ -683,6 +688,31 @@ void check_layer(td::LayerKind kind, std::array<std::int32_t, 4> starts, int com
       << "attn_out";
   EXPECT_TRUE(tdtest::x_out_close(x_out.view(), x_gold.view(), kind)) << "x_out";
   tdtest::expect_caches_close(L.caches, gold, std::string(td::to_string(kind)).c_str());
+  if (compressor_check) {
+    // x_n is golden's bytes and both start from the same pools, so with the check the emitted
+    // compressed rows are golden's bytes (the check's promise from the step's inputs).
+    const auto same = [](const auto& a, const auto& b) {
+      return a.size() == b.size() &&
+             std::memcmp(a.data(), b.data(), a.size() * sizeof(*a.data())) == 0;
+    };
+    EXPECT_TRUE(same(L.caches.cmp_kv, gold.cmp_kv)) << "cmp_kv";
+    if (kind == td::LayerKind::csa) {
+      EXPECT_TRUE(same(L.caches.idx_kv_cache, gold.idx_kv_cache)) << "idx_kv_cache";
+      EXPECT_TRUE(same(L.caches.idx_kv_scale, gold.idx_kv_scale)) << "idx_kv_scale";
+    }
+  }
+}
+
+// The compressors' opt-in rounding check (LayerWeightsStorage::enable_compressor_rounding_check)
+// in the layer step: the emitted compressed rows equal golden's bytes.
+TEST(LayerStep, CompressorRoundingCheckGivesGoldensRows) {
+  for (td::cpu::Isa isa : td::cpu::supported_isas()) {
+    SCOPED_TRACE(td::cpu::to_string(isa));
+    check_layer(td::LayerKind::csa, {8190, 127, 2, 3}, -1, isa, {}, td::paged::Layout::base, 2,
+                true);
+    check_layer(td::LayerKind::hca, {8190, 126, 254, 3}, -1, isa, {}, td::paged::Layout::base, 2,
+                true);
+  }
 }
 
 TEST(LayerStep, SwaMatchesGoldenAtCanonicalStarts) {

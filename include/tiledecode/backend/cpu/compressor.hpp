@@ -51,7 +51,8 @@ inline void project_rows_scalar(float* out, index_t ld_out, const float* x, inde
 // p = pool_exp_f64(double(s) - double(m)), l += p, acc = fma(p, double(kv), acc); hi/lo = the FP32
 // pair of acc / l. The same operations as the vector tiers, so the same bits.
 inline void pool_channels_scalar(float* hi, float* lo, const float* const* kv,
-                                 const float* const* score, int n_cand, index_t c0, index_t c1) {
+                                 const float* const* score, int n_cand, index_t c0, index_t c1,
+                                 float* mx = nullptr, float* ls = nullptr) {
   for (index_t c = c0; c < c1; ++c) {
     float m = kNegBig;
     for (int j = 0; j < n_cand; ++j) m = m > score[j][c] ? m : score[j][c];  // _mm256_max_ps(m, s)
@@ -64,6 +65,7 @@ inline void pool_channels_scalar(float* hi, float* lo, const float* const* kv,
     const double q = acc / l;  // l = 0 only if every score is -Inf: 0 / 0 = NaN (the policy)
     hi[c] = float(q);
     lo[c] = float(q - double(hi[c]));
+    if (mx) mx[c] = m, ls[c] = float(l);  // the rounding check's softmax max and weight sum
   }
 }
 
@@ -86,6 +88,9 @@ struct CompressorWorkspace {
   float* z;               // (head_dim)
   float* y_lo;            // (head_dim) the rounding check: y's double as the FP32 pair y + y_lo
   float* bound;           // (head_dim) the rounding check: the pooled values' error bounds
+  float* bound_r;         // (head_dim) the same with κ_r, for the RMS factor's bound
+  float* mx;              // (head_dim) the rounding check: the pooling's softmax max per channel
+  float* ls;              // (head_dim) the rounding check: its weight sum Σ e^(s - max), FP32
   std::int32_t* written;  // (T) the rounding check: tokens sorted by (state slot, t)
 };
 
@@ -100,7 +105,10 @@ inline CompressorWorkspace carve_workspace(const ModelConfig& cfg, const Compres
   w.z = w.y + ws_round(spec.head_dim);
   w.y_lo = w.z + ws_round(spec.head_dim);
   w.bound = w.y_lo + ws_round(spec.head_dim);
-  w.written = reinterpret_cast<std::int32_t*>(w.bound + ws_round(spec.head_dim));
+  w.bound_r = w.bound + ws_round(spec.head_dim);
+  w.mx = w.bound_r + ws_round(spec.head_dim);
+  w.ls = w.mx + ws_round(spec.head_dim);
+  w.written = reinterpret_cast<std::int32_t*>(w.ls + ws_round(spec.head_dim));
   return w;
 }
 
@@ -259,14 +267,16 @@ struct backend_ops_compressor {
       const index_t c0 = i * grain, c1 = std::min(HD, c0 + grain);
 #if TILEDECODE_X86
       if constexpr (I == Isa::avx512) {
-        avx512::compressor_pool_channels(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1, ahead);
+        avx512::compressor_pool_channels(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1, ahead, z.ws.mx,
+                                         z.ws.ls);
         return;
       } else if constexpr (avx2) {
-        avx2::compressor_pool_channels(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1);
+        avx2::compressor_pool_channels(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1, z.ws.mx, z.ws.ls);
         return;
       }
 #endif
-      kernels::detail::pool_channels_scalar(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1);
+      kernels::detail::pool_channels_scalar(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1, z.ws.mx,
+                                            z.ws.ls);
     });
   }
   // The kv and score rows of window c of request b (rules::compressor_candidates, state rows read
@@ -326,10 +336,10 @@ struct backend_ops_compressor {
   //   * per channel d, the pooled value's bound B_d (compressor_check.hpp: each written state
   //     value within κ · 2^-24 · max|x_n[t]| · |w_row| + two FP32 roundings of golden's, through
   //     the softmax weights);
-  //   * the RMS factor r's relative bound ρ = sqrt(Σ_d (p_d B_d)²) / (Σ_d p_d² + hd · eps): the
-  //     root of the sum of squares, not the sum, since the channels' errors are independent
-  //     roundings of different weight rows (measured: |r / r_golden − 1| <= 0.30 · ρ / κ on the
-  //     vdpbf16ps order and 0.42 · ρ / κ on the FMA order, so κ leaves 38x above the largest);
+  //   * the RMS factor r's relative bound ρ = sqrt(Σ_d (p_d B'_d)²) / (Σ_d p_d² + hd · eps), B'
+  //     as B with κ_r = 4 for κ: the root of the sum of squares, not the sum, since the channels'
+  //     errors are independent roundings of different weight rows (measured: |r / r_golden − 1|
+  //     <= 0.30 of it at κ_r = 1 on the vdpbf16ps order, 0.42 on the FMA order);
   //   * value i: Y_i = |r · norm_w[i]| · B_i + |y_i| · ρ (the RoPE pairs: |cos| Y_even + |sin|
   //     Y_odd and back), plus 2^-40 |y_i| for the double arithmetic; listed when
   //     bf16(fp32(y_i − Y_i)) != bf16(fp32(y_i + Y_i)) (the two roundings are monotone, so golden's
@@ -337,7 +347,10 @@ struct backend_ops_compressor {
   // Repairs, in two steps: the channels of the listed values first (each written candidate's kv
   // and score, 16 dots at a time; their B_d becomes 0; re-pooled by the scalar twin, the tiers'
   // bits), then, if a value is still listed (ρ: golden's r needs every channel), every channel of
-  // every written candidate (bf16_rows_dot_exact), and the row is pooled again. The repaired state
+  // every written candidate (bf16_rows_dot_exact, a pass over the half's weight rows per run of
+  // consecutive tokens), and the row is pooled again. The pooling hands the check its softmax max
+  // and weight sum per channel (ws.mx, ws.ls), so the bound costs an exp per written candidate
+  // and channel only. The repaired state
   // values are golden's, and they stay in the pool. A row with a non-finite y is not checked (its
   // policy is the kernel's). Opt-in (CompressorWeights::row_norms): its cost exceeds the 5 %
   // budget on steps that close windows. Cost and rates: docs/compressors.md ("Rounding accuracy").
@@ -387,7 +400,7 @@ struct backend_ops_compressor {
     const auto pooled = [&](index_t i) { return double(ws.pooled[i]) + double(ws.z[i]); };
     double ss = 0.0, q = 0.0;
     for (index_t i = 0; i < HD; ++i) {
-      const double p = pooled(i), e = p * double(ws.bound[i]);
+      const double p = pooled(i), e = p * double(ws.bound_r[i]);
       ss += p * p;
       q += e * e;
     }
@@ -447,15 +460,15 @@ struct backend_ops_compressor {
       if (t < 0) continue;  // an input of the step
       float* row = a.state_pool.data() + rows[j] * ld;
       const index_t off = kv[j] - row;
-      const float ax =
-          compressor_check::kKappa * 0x1p-24f *
+      const float ax =  // 2^-24 · max_k |x_n[t, k]|
+          0x1p-24f *
           compressor_check::bf16_abs_max(reinterpret_cast<const std::uint16_t*>(&a.x_n(t, 0)), D);
       wr[nw] = {kv[j], sc[j], nk + off, nk + OUT + off, &a.w.ape(a.meta.positions(t) % R, off), ax};
       wc[nw] = {wr[nw], t, row, off};
       ++nw;
     }
     if (nw == 0) return;  // every candidate is an input: y is golden's
-    compressor_check::pool_bound(I, ws.bound, ws.pooled, sc, n, wr, nw, HD);
+    compressor_check::pool_bound(I, ws.bound, ws.bound_r, ws.pooled, ws.mx, ws.ls, wr, nw, HD);
     const index_t rope_pos = a.rope_position(b, c);
     int ch[kMaxChannels + 1];
     int nch = listed_channels(z, a, rope_pos, ch);
@@ -464,6 +477,7 @@ struct backend_ops_compressor {
       repair_channels(z, a, wc, nw, ch, nch);
       for (int i = 0; i < nch; ++i) {
         ws.bound[ch[i]] = 0.0f;
+        ws.bound_r[ch[i]] = 0.0f;
         kernels::detail::pool_channels_scalar(ws.pooled, ws.z, kv, sc, n, ch[i], ch[i] + 1);
       }
       norm_rope(z, a, rope_pos);
@@ -507,31 +521,56 @@ struct backend_ops_compressor {
     (void)z;
   }
 
-  // Golden's state values of every channel of every written candidate (its half: kv and score).
+  // Golden's state values of every channel of every written candidate (its half: kv and score):
+  // the candidates' tokens in runs of consecutive tokens on one half, each run one pass over the
+  // half's weight rows (bf16_rows_dot_exact, into the tokens' proj rows: the weights are read once
+  // for the run), then + ape and copied into the state rows.
   static void repair_rows(const Lane& z, const kernels::CompressorArgs& a, const WrittenCand* wc,
                           int nw) {
     const index_t D = a.cfg->hidden, OUT = a.spec.out_dim(), HD = a.spec.head_dim;
-    const index_t blocks = (HD + kExactTaskRows - 1) / kExactTaskRows;
-    // A row written twice (two candidates on one state row and half: an aliased table) once.
-    const auto dup = [&](int q) {
-      for (int p = 0; p < q; ++p)
-        if (wc[p].row == wc[q].row && wc[p].off == wc[q].off) return true;
-      return false;
-    };
-    z.be->tasks(std::int64_t(nw) * 2 * blocks, [&](std::int64_t i) {
-      const int q = int(i / (2 * blocks));
-      const bool gate = (i / blocks) % 2 == 1;
-      if (dup(q)) return;
-      const WrittenCand& w = wc[q];
-      const index_t r0 = (i % blocks) * kExactTaskRows, nr = std::min(kExactTaskRows, HD - r0);
-      const ConstView<bf16, 2>& m = gate ? a.w.wgate : a.w.wkv;
-      bf16_rows_dot_exact(I, w.row + (gate ? OUT : 0) + w.off + r0, 1, &a.x_n(w.t, 0),
-                          a.x_n.stride(0), 1, &m(w.off + r0, 0), m.stride(0), nr, D);
+    const index_t SW = a.spec.state_width();
+    int ord[2 * 128];
+    for (int q = 0; q < nw; ++q) ord[q] = q;
+    std::sort(ord, ord + nw, [&](int x, int y) {
+      return wc[x].off != wc[y].off ? wc[x].off < wc[y].off : wc[x].t < wc[y].t;
     });
+    struct Run {
+      index_t off, t0, nt;
+    };
+    Run runs[2 * 128];
+    int nr = 0;
+    for (int k = 0; k < nw; ++k) {
+      const WrittenCand& w = wc[ord[k]];
+      Run* r = nr > 0 ? &runs[nr - 1] : nullptr;
+      if (r && r->off == w.off && w.t <= r->t0 + r->nt) {
+        if (w.t == r->t0 + r->nt) ++r->nt;  // else: the same token again (an aliased table)
+      } else {
+        runs[nr++] = {w.off, w.t, 1};
+      }
+    }
+    const index_t blocks = (HD + kExactTaskRows - 1) / kExactTaskRows;
+    float* proj = z.ws.proj;
+    z.be->tasks(std::int64_t(nr) * 2 * blocks, [&](std::int64_t i) {
+      const Run& r = runs[i / (2 * blocks)];
+      const bool gate = (i / blocks) % 2 == 1;
+      const index_t r0 = (i % blocks) * kExactTaskRows, n = std::min(kExactTaskRows, HD - r0);
+      const ConstView<bf16, 2>& m = gate ? a.w.wgate : a.w.wkv;
+      bf16_rows_dot_exact(I, proj + r.t0 * SW + (gate ? OUT : 0) + r.off + r0, SW, &a.x_n(r.t0, 0),
+                          a.x_n.stride(0), r.nt, &m(r.off + r0, 0), m.stride(0), n, D);
+    });
+    for (int k = 0; k < nr; ++k) {
+      const Run& r = runs[k];
+      for (index_t t = r.t0; t < r.t0 + r.nt; ++t) {
+        float* g = proj + t * SW + OUT + r.off;
+        const float* ape = &a.w.ape(a.meta.positions(t) % a.spec.ratio, r.off);
+        for (index_t d = 0; d < HD; ++d) g[d] += ape[d];
+      }
+    }
     for (int q = 0; q < nw; ++q) {
-      if (dup(q)) continue;
-      float* g = wc[q].row + OUT + wc[q].off;
-      for (index_t d = 0; d < HD; ++d) g[d] += wc[q].w.ape[d];
+      const float* src = proj + wc[q].t * SW + wc[q].off;
+      float* dst = wc[q].row + wc[q].off;
+      std::memcpy(dst, src, sizeof(float) * std::size_t(HD));
+      std::memcpy(dst + OUT, src + OUT, sizeof(float) * std::size_t(HD));
     }
   }
   // Main: cmp_kv[slot] = bf16(y). Inner: y_bf = bf16(y), z = y_bf @ H, z_bf = bf16(z), Q8.

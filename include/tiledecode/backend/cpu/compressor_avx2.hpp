@@ -137,10 +137,9 @@ TILEDECODE_TARGET_AVX2 inline void pool_sums(__m256d& l0, __m256d& l1, __m256d& 
 // (e^(Inf - Inf)), makes the channel NaN (a NaN score may drop out of the max, its own e^ is NaN);
 // a -Inf score has weight 0; a channel whose every score is -Inf pools to 0 / 0 = NaN, as golden.
 // Masked candidates score kNegBig (weight e^(kNegBig - m) = 0 unless every score is kNegBig).
-TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(float* hi, float* lo,
-                                                            const float* const* kv,
-                                                            const float* const* score, int n_cand,
-                                                            index_t c0, index_t c1) {
+TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(
+    float* hi, float* lo, const float* const* kv, const float* const* score, int n_cand, index_t c0,
+    index_t c1, float* mx = nullptr, float* ls = nullptr) {
   for (index_t c = c0; c < c1; c += 8) {
     __m256 m8 = _mm256_set1_ps(kNegBig), n8 = _mm256_set1_ps(INFINITY);
     for (int j = 0; j < n_cand; ++j) {
@@ -170,6 +169,11 @@ TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(float* hi, float* lo
     _mm_storeu_ps(hi + c + 4, h1);
     _mm_storeu_ps(lo + c, _mm256_cvtpd_ps(_mm256_sub_pd(q0, _mm256_cvtps_pd(h0))));
     _mm_storeu_ps(lo + c + 4, _mm256_cvtpd_ps(_mm256_sub_pd(q1, _mm256_cvtps_pd(h1))));
+    if (mx) {  // the rounding check's softmax max and weight sum (backend/cpu/compressor.hpp)
+      _mm256_storeu_ps(mx + c, m8);
+      _mm_storeu_ps(ls + c, _mm256_cvtpd_ps(l0));
+      _mm_storeu_ps(ls + c + 4, _mm256_cvtpd_ps(l1));
+    }
   }
 }
 

@@ -98,7 +98,8 @@ inline constexpr int kPoolPrefetchAhead = 8;
 template <int Q>
 TILEDECODE_TARGET_AVX512 inline void pool_group(float* hi, float* lo, const float* const* kv,
                                                 const float* const* score, int n_cand, index_t c,
-                                                bool next, const PoolAhead& ahead) {
+                                                bool next, const PoolAhead& ahead, float* mx,
+                                                float* ls) {
   __m256 m8[Q], n8[Q];
   for (int q = 0; q < Q; ++q) {
     m8[q] = _mm256_set1_ps(kNegBig);
@@ -138,6 +139,10 @@ TILEDECODE_TARGET_AVX512 inline void pool_group(float* hi, float* lo, const floa
     const __m256 h = _mm512_cvtpd_ps(v);
     _mm256_storeu_ps(hi + c + 8 * q, h);
     _mm256_storeu_ps(lo + c + 8 * q, _mm512_cvtpd_ps(_mm512_sub_pd(v, _mm512_cvtps_pd(h))));
+    if (mx) {
+      _mm256_storeu_ps(mx + c + 8 * q, m8[q]);
+      _mm256_storeu_ps(ls + c + 8 * q, _mm512_cvtpd_ps(l[q]));
+    }
   }
 }
 
@@ -149,15 +154,13 @@ TILEDECODE_TARGET_AVX512 inline void pool_group(float* hi, float* lo, const floa
 // Zen 5, one thread: 46-49 -> 31 µs with the state rows in cache, 80-91 -> 68-79 µs from memory
 // (against blocks of 8 channels, each its own pass over the candidates).
 
-TILEDECODE_TARGET_AVX512 inline void compressor_pool_channels(float* hi, float* lo,
-                                                              const float* const* kv,
-                                                              const float* const* score, int n_cand,
-                                                              index_t c0, index_t c1,
-                                                              const PoolAhead& ahead = {}) {
+TILEDECODE_TARGET_AVX512 inline void compressor_pool_channels(
+    float* hi, float* lo, const float* const* kv, const float* const* score, int n_cand, index_t c0,
+    index_t c1, const PoolAhead& ahead = {}, float* mx = nullptr, float* ls = nullptr) {
   for (index_t c = c0; c < c1; c += 32) {
     const int q = int(std::min<index_t>(4, (c1 - c) / 8));
     with_static_count<4>(q, [&]<int Q>() TILEDECODE_TARGET_AVX512 {
-      pool_group<Q>(hi, lo, kv, score, n_cand, c, c + 32 < c1, ahead);
+      pool_group<Q>(hi, lo, kv, score, n_cand, c, c + 32 < c1, ahead, mx, ls);
     });
   }
 }

@@ -18,14 +18,18 @@ namespace tiledecode::cpu::compressor_check {
 
 // The factor κ of a state value's error bound, as rounding_check::kKappa: |dot − exact| <= κ ·
 // 2^-24 · max_k |x[k]| · |w| (measured at most 1.74 on the vdpbf16ps order and 2.23 on the FMA
-// order over 1.6 million compressor dots, flash statistics).
+// order, each over 4.2 million CSA compressor dots at the flash statistics).
 inline constexpr float kKappa = 16.0f;
-// Relative slack on the bound for the approximate e^x below (<= 4e-4 relative), the first-order
-// perturbation of the softmax (the weights' second-order terms are ~1e-10) and the FP32 sums.
+// The same factor in the RMS factor's bound (the root-sum-square of the channels' bounds,
+// backend/cpu/compressor.hpp): measured |r / r_golden − 1| <= 0.42 of that bound at κ = 1 (FMA
+// order; 0.30 vdpbf16ps), so κ_r = 4 leaves 9.5x above the largest.
+inline constexpr float kKappaR = 4.0f;
+// Relative slack on the bound for the approximate e^x below (<= 4e-4 relative), the FP32 weight
+// sum, the first-order perturbation of the softmax (second-order terms ~1e-10) and the FP32 sums.
 inline constexpr float kSlack = 1.0f + 0x1p-6f;
 
 // A candidate of the window written in this step: its state values (kv[d], score[d] for channel
-// d), its token's error scale ax = κ · 2^-24 · max_k |x_n[t, k]|, the norms of the weight rows that
+// d), its token's error scale a = 2^-24 · max_k |x_n[t, k]|, the norms of the weight rows that
 // made them (nk[d]: wkv's, ng[d]: wgate's) and the ape term added to the score (ape[d]).
 struct Written {
   const float* kv;
@@ -33,7 +37,7 @@ struct Written {
   const float* nk;
   const float* ng;
   const float* ape;
-  float ax;
+  float a;
 };
 
 // e^x for x <= 0 within 4e-4 relative (x below -87 gives e^-87): 2^(x log2 e) as 2^i times a
@@ -51,64 +55,61 @@ __attribute__((always_inline)) inline float exp_le0(float x) {
   return p * std::bit_cast<float>((i + 127) << 23);
 }
 
-// bound[d] for d < hd: with w_j = e^(s_j - m) / Σ_i e^(s_i - m) the window's softmax weights of
-// channel d (scores sc[0 .. n), m their largest) and p = pooled[d],
+// bound[d] for d < hd: with w_j = e^(s_j - m) / l the window's softmax weights of channel d (m =
+// mx[d], the scores' largest, and l = ls[d] = Σ_i e^(s_i - m): the pooling's own) and p =
+// pooled[d],
 //   bound[d] = kSlack · Σ_{written j} w_j · (E_kv,j + |kv_j − p| · E_g,j),
-//   E_kv,j = ax_j · nk_j + 2^-22 |kv_j|,  E_g,j = ax_j · ng_j + 2^-22 (|s_j| + |ape_j|):
-// the first-order change of Σ w_j kv_j when each written kv_j moves by E_kv,j and its score by
-// E_g,j (∂/∂kv_j = w_j, ∂/∂s_j = w_j (kv_j − p)). E is the dot's bound plus two FP32 roundings
-// (the kernel's and golden's; the score's sum with ape is rounded again).
-__attribute__((always_inline)) inline void pool_bound_body(float* bound, const float* pooled,
-                                                           const float* const* sc, int n,
-                                                           const Written* wr, int nw, index_t hd) {
-  constexpr index_t kB = 64;
-  for (index_t d0 = 0; d0 < hd; d0 += kB) {
-    const index_t m = std::min(kB, hd - d0);
-    float mx[kB], l[kB], acc[kB];
-    for (index_t i = 0; i < m; ++i) mx[i] = -3.40282347e38f, l[i] = 0.0f, acc[i] = 0.0f;
-    for (int j = 0; j < n; ++j) {
-      const float* s = sc[j] + d0;
-      for (index_t i = 0; i < m; ++i) mx[i] = mx[i] > s[i] ? mx[i] : s[i];
+//   E_kv,j = κ a_j · nk_j + 2^-22 |kv_j|,  E_g,j = κ a_j · ng_j + 2^-22 (|s_j| + |ape_j|),
+// a_j = 2^-24 max_k |x_n[t_j, k]|: the first-order change of Σ w_j kv_j when each written kv_j
+// moves by E_kv,j and its score by E_g,j (∂/∂kv_j = w_j, ∂/∂s_j = w_j (kv_j − p)). E is the dot's
+// bound plus two FP32 roundings (the kernel's and golden's; the score's sum with ape is rounded
+// again). bound_r[d]: the same with κ_r for the RMS factor's bound.
+__attribute__((always_inline)) inline void pool_bound_body(float* bound, float* bound_r,
+                                                           const float* pooled, const float* mx,
+                                                           const float* ls, const Written* wr,
+                                                           int nw, index_t hd) {
+  for (index_t d = 0; d < hd; ++d) bound[d] = 0.0f, bound_r[d] = 0.0f;
+  for (int j = 0; j < nw; ++j) {
+    const Written& w = wr[j];
+    const float ax = kKappa * w.a, axr = kKappaR * w.a;
+    for (index_t d = 0; d < hd; ++d) {
+      const float e = exp_le0(w.score[d] - mx[d]);
+      const float rk = 0x1p-22f * std::fabs(w.kv[d]);
+      const float rg = 0x1p-22f * (std::fabs(w.score[d]) + std::fabs(w.ape[d]));
+      const float dk = std::fabs(w.kv[d] - pooled[d]);
+      bound[d] += e * ((ax * w.nk[d] + rk) + dk * (ax * w.ng[d] + rg));
+      bound_r[d] += e * ((axr * w.nk[d] + rk) + dk * (axr * w.ng[d] + rg));
     }
-    for (int j = 0; j < n; ++j) {
-      const float* s = sc[j] + d0;
-      for (index_t i = 0; i < m; ++i) l[i] += exp_le0(s[i] - mx[i]);
-    }
-    for (int j = 0; j < nw; ++j) {
-      const Written& w = wr[j];
-      for (index_t i = 0; i < m; ++i) {
-        const index_t d = d0 + i;
-        const float e = exp_le0(w.score[d] - mx[i]);
-        const float ek = w.ax * w.nk[d] + 0x1p-22f * std::fabs(w.kv[d]);
-        const float eg = w.ax * w.ng[d] + 0x1p-22f * (std::fabs(w.score[d]) + std::fabs(w.ape[d]));
-        acc[i] += e * (ek + std::fabs(w.kv[d] - pooled[d]) * eg);
-      }
-    }
-    for (index_t i = 0; i < m; ++i) bound[d0 + i] = acc[i] / l[i] * kSlack;
+  }
+  for (index_t d = 0; d < hd; ++d) {
+    bound[d] = bound[d] / ls[d] * kSlack;
+    bound_r[d] = bound_r[d] / ls[d] * kSlack;
   }
 }
 
 #if TILEDECODE_X86
-TILEDECODE_TARGET_AVX512 inline void pool_bound_avx512(float* bound, const float* pooled,
-                                                       const float* const* sc, int n,
-                                                       const Written* wr, int nw, index_t hd) {
-  pool_bound_body(bound, pooled, sc, n, wr, nw, hd);
+TILEDECODE_TARGET_AVX512 inline void pool_bound_avx512(float* bound, float* bound_r,
+                                                       const float* pooled, const float* mx,
+                                                       const float* ls, const Written* wr, int nw,
+                                                       index_t hd) {
+  pool_bound_body(bound, bound_r, pooled, mx, ls, wr, nw, hd);
 }
-TILEDECODE_TARGET_AVX2 inline void pool_bound_avx2(float* bound, const float* pooled,
-                                                   const float* const* sc, int n, const Written* wr,
-                                                   int nw, index_t hd) {
-  pool_bound_body(bound, pooled, sc, n, wr, nw, hd);
+TILEDECODE_TARGET_AVX2 inline void pool_bound_avx2(float* bound, float* bound_r,
+                                                   const float* pooled, const float* mx,
+                                                   const float* ls, const Written* wr, int nw,
+                                                   index_t hd) {
+  pool_bound_body(bound, bound_r, pooled, mx, ls, wr, nw, hd);
 }
 #endif
 
-inline void pool_bound(Isa isa, float* bound, const float* pooled, const float* const* sc, int n,
-                       const Written* wr, int nw, index_t hd) {
+inline void pool_bound(Isa isa, float* bound, float* bound_r, const float* pooled, const float* mx,
+                       const float* ls, const Written* wr, int nw, index_t hd) {
 #if TILEDECODE_X86
-  if (isa == Isa::avx512) return pool_bound_avx512(bound, pooled, sc, n, wr, nw, hd);
-  if (has_avx2(isa)) return pool_bound_avx2(bound, pooled, sc, n, wr, nw, hd);
+  if (isa == Isa::avx512) return pool_bound_avx512(bound, bound_r, pooled, mx, ls, wr, nw, hd);
+  if (has_avx2(isa)) return pool_bound_avx2(bound, bound_r, pooled, mx, ls, wr, nw, hd);
 #endif
   (void)isa;
-  pool_bound_body(bound, pooled, sc, n, wr, nw, hd);
+  pool_bound_body(bound, bound_r, pooled, mx, ls, wr, nw, hd);
 }
 
 // The largest |x| of a BF16 row, as a float (+Inf or NaN bits for a non-finite one).
