@@ -389,6 +389,8 @@ TEST(CsaCompressor, RoundingCheckRejectsBadNorms) {
   const td::Tensor<float, 1> nn = tk::compressor_row_norms(wk.view(), w.wgate.view());
   EXPECT_EQ(nn.view()(9), std::numeric_limits<float>::infinity());
   EXPECT_TRUE(std::isfinite(nn.view()(10)));
+  EXPECT_THROW(tk::compressor_row_norms(w.wkv.view(), w.wgate.view().slice(0, 0, OUT - 1)),
+               td::Error);
 }
 
 TEST(CsaCompressor, CanonicalStarts) {

@@ -510,6 +510,7 @@ TEST(QkvProjection, RoundingCheckIsThreadAndBatchInvariant) {
       expect_qkv_close(o, g);
     }
     const td::Tensor<float, 1> norm = td::kernels::qkv_wq_a_norms(f.wq_a.view());
+    const td::Tensor<float, 1> kvn = td::kernels::qkv_wkv_norms(f.wkv.view());  // the kv check
     td::QkvBf16Rows rows;
     struct Path {
       td::cpu::Isa isa;
@@ -535,17 +536,18 @@ TEST(QkvProjection, RoundingCheckIsThreadAndBatchInvariant) {
                    (p.rows ? ", rows" : ", columns"));
       const auto ctx = [&](td::Executor* e) { return td::cpu::Context{e, p.isa, p.dot}; };
       QkvOut all(f.cfg, f.T);
-      run_qkv(f, all, ctx(nullptr), nullptr, p.rows, 0, -1, norm.view());
+      run_qkv(f, all, ctx(nullptr), nullptr, p.rows, 0, -1, norm.view(), kvn.view());
       for (std::size_t n : {2, 7}) {
         td::ThreadPool pool(n);
         QkvOut o(f.cfg, f.T);
-        run_qkv(f, o, ctx(&pool), nullptr, p.rows, 0, -1, norm.view());
+        run_qkv(f, o, ctx(&pool), nullptr, p.rows, 0, -1, norm.view(), kvn.view());
         EXPECT_TRUE(same(o, all)) << n << " threads";
       }
       for (index_t batch : {1, 8}) {
         QkvOut o(f.cfg, f.T);
         for (index_t t0 = 0; t0 < f.T; t0 += batch)
-          run_qkv(f, o, ctx(nullptr), nullptr, p.rows, t0, std::min(f.T, t0 + batch), norm.view());
+          run_qkv(f, o, ctx(nullptr), nullptr, p.rows, t0, std::min(f.T, t0 + batch), norm.view(),
+                  kvn.view());
         EXPECT_TRUE(same(o, all)) << "tokens in batches of " << batch;
       }
     }
@@ -586,6 +588,20 @@ TEST(QkvProjection, RoundingCheckRejectsBadNorms) {
     td::Tensor<float, 1> n = good;
     n.view()(QL - 3) = bad;
     expect_rejected(n.view(), "w.wq_a_norm[1021]");
+  }
+  {  // the kv check's norms (qkv_wkv_norms): the same rules
+    td::Tensor<float, 1> kvn = td::kernels::qkv_wkv_norms(f.wkv.view());
+    kvn.view()(5) = std::numeric_limits<float>::quiet_NaN();
+    QkvOut o(f.cfg, f.T);
+    std::memset(static_cast<void*>(o.kv.data()), 0x55, o.kv.size() * 2);
+    try {
+      run_qkv(f, o, td::cpu::make_context(nullptr), nullptr, nullptr, 0, -1, good.view(),
+              kvn.view());
+      ADD_FAILURE() << "w.wkv_norm[5]: no throw";
+    } catch (const td::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("w.wkv_norm[5]"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(o.kv.data()[0].bits, 0x5555) << "w.wkv_norm: written before the throw";
   }
   td::Tensor<float, 1> inf = good;
   inf.view()(3) = std::numeric_limits<float>::infinity();

@@ -268,6 +268,8 @@ TEST(rounding, QkvProjectionQLatentAndKvRoundAsTheExactValues) {
                        chk ? "avx512/dpbf16+check" : "avx512/dpbf16", chk});
   }
   const td::Tensor<float, 1> norm = td::kernels::qkv_wq_a_norms(f.wq_a.view());
+  const td::Tensor<float, 1> kv_norm = td::kernels::qkv_wkv_norms(f.wkv.view());
+  long kv_unchecked = 0;
   // Bf16Dot::exact on every tier: golden's dots, rounded once to FP32 before the double epilogue
   // (golden normalises its unrounded double sums): within half an FP32 ulp of golden's cq.
   for (Isa isa : td::cpu::supported_isas())
@@ -281,7 +283,8 @@ TEST(rounding, QkvProjectionQLatentAndKvRoundAsTheExactValues) {
     tdtest::run_qkv(
         f, o, td::cpu::Context{&pool, path.isa, path.bf16}, nullptr,
         path.bf16 == td::cpu::Bf16Dot::dpbf16 ? &rows : nullptr, 0, -1,
-        path.checked ? td::ConstView<float, 1>(norm.view()) : td::ConstView<float, 1>{});
+        path.checked ? td::ConstView<float, 1>(norm.view()) : td::ConstView<float, 1>{},
+        path.checked ? td::ConstView<float, 1>(kv_norm.view()) : td::ConstView<float, 1>{});
     Rate qr, qs, kv, q;
     for (std::size_t i = 0; i < o.qr.size(); ++i) qr.add(o.qr.data()[i] != g.qr.data()[i]);
     for (std::size_t i = 0; i < o.qr_scale.size(); ++i)
@@ -299,14 +302,56 @@ TEST(rounding, QkvProjectionQLatentAndKvRoundAsTheExactValues) {
       EXPECT_LE(q.rate(), kExactBar);
     } else if (path.checked) {
       EXPECT_LE(qr.rate(), kExactBar);
-      EXPECT_LE(kv.rate(), kBf16DotBar);
+      EXPECT_LE(kv.rate(), kExactBar);
       EXPECT_LE(q.rate(), kExactBar);
     } else {
+      kv_unchecked += kv.diff;
       EXPECT_LE(qr.rate(), kQ8Bar);
       EXPECT_LE(kv.rate(), kBf16DotBar);
       EXPECT_LE(q.rate(), kBf16DotBar);
     }
   }
+  // The kv check's zeros can fail: the same dots without it flip some kv values.
+  EXPECT_GT(kv_unchecked, 0) << "the data no longer show the default dots' kv flips";
+}
+
+// Golden's normed row of token t (golden/qkv_projection.hpp's order): y[n] = acc[n] · r ·
+// gamma[n], acc[n] = Σ_k x_n[t, k] · w[k, n] in double in ascending k, r = 1 / sqrt(Σ_n acc[n]² /
+// N + eps) (Σ in ascending n).
+void golden_normed_row(const tdtest::QkvFixture& f, td::ConstView<bf16, 2> w,
+                       td::ConstView<bf16, 1> gamma, index_t t, std::vector<double>& y) {
+  const index_t D = f.cfg.hidden, N = w.extent(1);
+  y.assign(static_cast<std::size_t>(N), 0.0);
+  for (index_t k = 0; k < D; ++k) {
+    const double a = f.x_n.view()(t, k).to_float();
+    for (index_t n = 0; n < N; ++n) y[std::size_t(n)] += a * double(w(k, n).to_float());
+  }
+  double ss = 0.0;
+  for (double v : y) ss += v * v;
+  const double r = 1.0 / std::sqrt(ss / double(N) + double(f.cfg.rms_eps));
+  for (index_t n = 0; n < N; ++n) y[std::size_t(n)] = y[std::size_t(n)] * r * gamma(n).to_float();
+}
+
+// The rounding checks' paths: every tier on its FMA dots, its repairs read from the weights'
+// columns (no rows: AVX2-only and Intel CPUs) and from the transposed rows; and the avx512 tier's
+// vdpbf16ps dots on the rows (Bf16Dot::dpbf16) where it runs.
+struct CheckPath {
+  Isa isa;
+  td::cpu::Bf16Dot dot;
+  bool rows;
+  std::string name() const {
+    return std::string(td::cpu::to_string(isa)) +
+           (dot == td::cpu::Bf16Dot::dpbf16 ? "/dpbf16" : "") +
+           (rows ? ", repairs from the rows" : ", repairs from the columns");
+  }
+};
+std::vector<CheckPath> check_paths() {
+  std::vector<CheckPath> paths;
+  for (Isa isa : td::cpu::supported_isas())
+    for (bool r : {false, true}) paths.push_back({isa, td::cpu::Bf16Dot::fma, r});
+  if (td::cpu::cpu_supports(Isa::avx512))
+    paths.push_back({Isa::avx512, td::cpu::Bf16Dot::dpbf16, true});
+  return paths;
 }
 
 // The q-latent's rounding check (QkvWeights::wq_a_norm; backend/cpu/qkv_projection.hpp): qr =
@@ -318,40 +363,20 @@ TEST(rounding, QkvProjectionQLatentAndKvRoundAsTheExactValues) {
 TEST(rounding, QLatentWithTheRoundingCheckRoundsAsTheExactValue) {
   const tdtest::QkvFixture f(td::flash_config(), 512, 29);
   const td::ModelConfig& c = f.cfg;
-  const index_t D = c.hidden, QL = c.q_lora;
+  const index_t QL = c.q_lora;
   std::vector<std::int8_t> exact(static_cast<std::size_t>(f.T * QL));
   {
-    std::vector<double> acc(static_cast<std::size_t>(QL));
+    std::vector<double> y;
     std::vector<float> cq(static_cast<std::size_t>(QL));
     for (index_t t = 0; t < f.T; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0);
-      for (index_t k = 0; k < D; ++k) {
-        const double a = f.x_n.view()(t, k).to_float();
-        const bf16* w = &f.wq_a.view()(k, 0);
-        for (index_t n = 0; n < QL; ++n) acc[std::size_t(n)] += a * double(w[n].to_float());
-      }
-      double ss = 0.0;
-      for (double v : acc) ss += v * v;
-      const double r = 1.0 / std::sqrt(ss / double(QL) + double(c.rms_eps));
-      for (index_t n = 0; n < QL; ++n)
-        cq[std::size_t(n)] =
-            float(acc[std::size_t(n)] * r * double(f.gamma_cq.view()(n).to_float()));
+      golden_normed_row(f, f.wq_a.view(), f.gamma_cq.view(), t, y);
+      for (index_t n = 0; n < QL; ++n) cq[std::size_t(n)] = float(y[std::size_t(n)]);
       td::quantize_q8(std::span<std::int8_t>(exact.data() + t * QL, std::size_t(QL)), cq);
     }
   }
   const td::QkvBf16Rows rows = td::kernels::pack_qkv_bf16_rows(c, f.wq_a.view(), f.wkv.view());
   const td::Tensor<float, 1> norm = td::kernels::qkv_wq_a_norms(f.wq_a.view());
-  // Every tier on its FMA dots, its repairs read from wq_a's columns (no rows: AVX2-only and
-  // Intel CPUs) and from the transposed rows; and the avx512 tier's vdpbf16ps dots on the rows
-  // (Bf16Dot::dpbf16) where it runs. Unchecked: the same dots without wq_a_norm.
-  struct Path {
-    Isa isa;
-    td::cpu::Bf16Dot dot;
-    bool rows;
-  };
-  std::vector<Path> paths;
-  for (Isa isa : td::cpu::supported_isas())
-    for (bool r : {false, true}) paths.push_back({isa, td::cpu::Bf16Dot::fma, r});
+  // check_paths(); unchecked: the same dots without wq_a_norm.
   // q against golden's (golden::qkv_projection, a token at a time) on the first and last token and
   // on each token whose qr the path flips without the check: with it, q must be golden's bytes
   // there (its qr is golden's, and the per-head RMSNorm undoes qr_scale's relative error, r's and
@@ -372,12 +397,8 @@ TEST(rounding, QLatentWithTheRoundingCheckRoundsAsTheExactValue) {
     for (index_t j = 0; j < HQ; ++j) v.push_back(g.q.data()[j].bits);
     return v;
   };
-  if (td::cpu::cpu_supports(Isa::avx512))
-    paths.push_back({Isa::avx512, td::cpu::Bf16Dot::dpbf16, true});
-  for (const Path& p : paths) {
-    const std::string tier = std::string(td::cpu::to_string(p.isa)) +
-                             (p.dot == td::cpu::Bf16Dot::dpbf16 ? "/dpbf16" : "") +
-                             (p.rows ? ", repairs from the rows" : ", repairs from the columns");
+  for (const CheckPath& p : check_paths()) {
+    const std::string tier = p.name();
     Rate checked, unchecked;
     std::vector<index_t> q_tokens{0, f.T - 1};
     long q_off[2] = {};  // [with]: q values of q_tokens off golden's
@@ -410,6 +431,54 @@ TEST(rounding, QLatentWithTheRoundingCheckRoundsAsTheExactValue) {
     EXPECT_GT(unchecked.diff, 0) << tier << ": the data no longer flip a value without the check";
     EXPECT_EQ(q_off[1], 0) << tier;
     EXPECT_GT(q_off[0], 0) << tier << ": a flipped qr no longer moves its token's q";
+  }
+}
+
+// The kv rounding check (QkvWeights::wkv_norm; backend/cpu/qkv_projection.hpp "check_kv"): kv
+// against golden's (the exact dots in double, golden's r from them in ascending order, (d · r) ·
+// gamma, the RoPE, one rounding to FP32 and then BF16) over 1024 tokens (524288 values) on every
+// tier, with the check (its repairs from the transposed rows and from wkv's columns) and without
+// it (the same dots). The flash q/kv shapes with 4 query heads: the kv path does not depend on
+// them, and the test stays fast on the scalar tier. The sanitizer pass runs 128 tokens and
+// asserts only the zeros.
+TEST(rounding, KvWithTheRoundingCheckRoundsAsTheExactValue) {
+  const bool lean = std::getenv("TILEDECODE_SANITIZE_LEAN") != nullptr;
+  td::ModelConfig c = td::flash_config();
+  c.n_heads = 4;
+  const tdtest::QkvFixture f(c, lean ? 128 : 1024, 41);
+  const index_t HD = c.head_dim, NOPE = c.nope_dim();
+  std::vector<std::uint16_t> exact(static_cast<std::size_t>(f.T * HD));
+  {
+    std::vector<double> y;
+    for (index_t t = 0; t < f.T; ++t) {
+      golden_normed_row(f, f.wkv.view(), f.gamma_ckv.view(), t, y);
+      const index_t p = f.pos.view()(t);
+      td::rope_forward_f64(y.data() + NOPE, f.rope.view().cos_row(p), f.rope.view().sin_row(p),
+                           c.rope_dim);
+      for (index_t n = 0; n < HD; ++n)
+        exact[std::size_t(t * HD + n)] = bf16(float(y[std::size_t(n)])).bits;
+    }
+  }
+  const td::QkvBf16Rows rows = td::kernels::pack_qkv_bf16_rows(c, f.wq_a.view(), f.wkv.view());
+  const td::Tensor<float, 1> norm = td::kernels::qkv_wkv_norms(f.wkv.view());
+  for (const CheckPath& p : check_paths()) {
+    const std::string tier = p.name();
+    Rate checked, unchecked;
+    for (bool with : {false, true}) {
+      tdtest::QkvOut o(c, f.T);
+      td::ThreadPool pool(2);
+      tdtest::run_qkv(f, o, td::cpu::Context{&pool, p.isa, p.dot}, nullptr,
+                      p.rows ? &rows : nullptr, 0, -1, {},
+                      with ? td::ConstView<float, 1>(norm.view()) : td::ConstView<float, 1>{});
+      Rate& r = with ? checked : unchecked;
+      for (std::size_t i = 0; i < exact.size(); ++i) r.add(o.kv.data()[i].bits != exact[i]);
+    }
+    report("kv, no check", tier, unchecked);
+    report("kv, rounding check", tier, checked);
+    EXPECT_EQ(checked.diff, 0) << tier;
+    if (!lean) {
+      EXPECT_GT(unchecked.diff, 0) << tier << ": the data no longer flip a value without the check";
+    }
   }
 }
 

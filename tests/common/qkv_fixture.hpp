@@ -72,7 +72,7 @@ struct QkvOut {
 inline void run_qkv(const QkvFixture& f, QkvOut& o, const td::cpu::Context& ctx,
                     const td::QkvPackedWqB* packed = nullptr,
                     const td::QkvBf16Rows* bf16_rows = nullptr, index_t t0 = 0, index_t t1 = -1,
-                    td::ConstView<float, 1> wq_a_norm = {}) {
+                    td::ConstView<float, 1> wq_a_norm = {}, td::ConstView<float, 1> wkv_norm = {}) {
   const auto& c = f.cfg;
   if (t1 < 0) t1 = f.T;
   const index_t n = t1 - t0;
@@ -82,6 +82,7 @@ inline void run_qkv(const QkvFixture& f, QkvOut& o, const td::cpu::Context& ctx,
   w.wq_b_packed = packed;
   w.bf16_rows = bf16_rows;
   w.wq_a_norm = wq_a_norm;
+  w.wkv_norm = wkv_norm;
   td::kernels::qkv_projection(
       ctx, o.q.view().slice(0, t0, t1), o.kv.view().slice(0, t0, t1), o.qr.view().slice(0, t0, t1),
       o.qr_scale.view().slice(0, t0, t1), td::ConstView<bf16, 2>(f.x_n.view()).slice(0, t0, t1), w,

@@ -120,6 +120,11 @@ struct LayerWeightsStorage {
   // scale of the CPU q-latent's rounding check, which makes the default BF16 dots give golden's
   // qr (Q_LORA floats, not counted in bytes()).
   Tensor<float, 1> wq_a_norm;
+  // Per wkv column an upper bound of its norm (kernels::qkv_wkv_norms), filled by pack() where it
+  // makes qkv_rows (the kv rounding check's repairs read them; from wkv's columns they would cost
+  // more than the 5 % budget): the scale of the CPU kv check, which makes the default dots give
+  // golden's kv (HEAD_DIM floats, not counted in bytes()).
+  Tensor<float, 1> wkv_norm;
   // Per wkv and wgate row of the main and the inner compressor an upper bound of its norm
   // (kernels::compressor_row_norms), opt-in: pack() leaves them empty; a caller that sets them
   // (enable_compressor_rounding_check) turns on the CPU compressors' rounding check, which makes
@@ -184,6 +189,7 @@ struct LayerWeightsStorage {
     w.wo_b_scale = wo_b_scale.view();
     if (wo_a_norm.size() > 0) w.wo_a_norm = wo_a_norm.view();
     if (wq_a_norm.size() > 0) w.qkv.wq_a_norm = wq_a_norm.view();
+    if (wkv_norm.size() > 0) w.qkv.wkv_norm = wkv_norm.view();
     w.compressor = {cmp_wkv.view(), cmp_wgate.view(), cmp_ape.view(), cmp_norm_w.view()};
     if (cmp_row_norms.size() > 0) w.compressor.row_norms = cmp_row_norms.view();
     w.indexer = {idx_wq_b.view(),
@@ -198,15 +204,18 @@ struct LayerWeightsStorage {
 
   // Load-time preparation after the weights are filled: packs wq_b for the VNNI q/kv projection
   // (only where the CPU has AVX-VNNI or AVX-512), transposes wq_a | wkv for the vdpbf16ps one
-  // (only where that is the automatic choice), bounds wo_a's row norms and wq_a's column norms
-  // (the o-proj's and the q-latent's rounding checks) and packs the indexer query weights (CSA).
+  // (only where that is the automatic choice; there also wkv's column norms, the kv rounding
+  // check's), bounds wo_a's row norms and wq_a's column norms (the o-proj's and the q-latent's
+  // rounding checks) and packs the indexer query weights (CSA).
   void pack(const ModelConfig& cfg) {
     wo_a_norm = kernels::output_projection_row_norms(wo_a.view());
     wq_a_norm = kernels::qkv_wq_a_norms(wq_a.view());
     if (cpu::cpu_supports(cpu::Isa::avx2_vnni) || cpu::cpu_supports(cpu::Isa::avx512))
       wq_b_packed = kernels::pack_qkv_wq_b(cfg, wq_b.view());
-    if (kernels::qkv_bf16_rows_useful())
+    if (kernels::qkv_bf16_rows_useful()) {
       qkv_rows = kernels::pack_qkv_bf16_rows(cfg, wq_a.view(), wkv.view());
+      wkv_norm = kernels::qkv_wkv_norms(wkv.view());
+    }
     if (kind != LayerKind::csa) return;
     idx_packed = kernels::pack_indexer_query_weights(cfg, idx_wq_b.view(), idx_wq_b_scale.view(),
                                                      hadamard.view());

@@ -182,12 +182,16 @@ struct CompressorWeights {
 // Per row of wkv, then of wgate, an upper bound of its Euclidean norm (bf16_norm_bound: FP32,
 // rounded up; +Inf past FLT_MAX or for a row with a NaN): CompressorWeights::row_norms. A load-time
 // preparation (decode/layer.hpp LayerWeightsStorage::enable_compressor_rounding_check).
+// Throws tiledecode::Error if wgate's extents are not wkv's.
 inline Tensor<float, 1> compressor_row_norms(ConstView<bf16, 2> wkv, ConstView<bf16, 2> wgate) {
+  constexpr std::string_view where = "compressor_row_norms";
+  check_view(where, "wkv", wkv);
+  check_extents(where, "wgate", wgate, {wkv.extent(0), wkv.extent(1)});
   const index_t OUT = wkv.extent(0), D = wkv.extent(1);
   Tensor<float, 1> r({2 * OUT});
   for (index_t n = 0; n < OUT; ++n) {
-    r.data()[n] = bf16_norm_bound(&wkv(n, 0), D);
-    r.data()[OUT + n] = bf16_norm_bound(&wgate(n, 0), wgate.extent(1));
+    r.data()[n] = bf16_norm_bound(&wkv(n, 0), D, wkv.stride(1));
+    r.data()[OUT + n] = bf16_norm_bound(&wgate(n, 0), D, wgate.stride(1));
   }
   return r;
 }

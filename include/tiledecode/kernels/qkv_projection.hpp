@@ -82,6 +82,12 @@ struct QkvWeights {
   // (backend/cpu/qkv_projection.hpp) recomputes as golden does the cq values whose Q8 rounding
   // the default FP32 dots cannot decide, from bf16_rows where present, else from wq_a's columns.
   ConstView<float, 1> wq_a_norm = {};  // (Q_LORA)
+  // Optional: per column of wkv an upper bound of its Euclidean norm (qkv_wkv_norms), each >= 0.
+  // Given it, the CPU backend's kv rounding check recomputes as golden does the kv dots whose
+  // BF16 rounding (after the RMS norm and the RoPE) the default FP32 dots cannot decide, and the
+  // token's every dot where golden's RMS factor is needed, from bf16_rows where present, else from
+  // wkv's columns (~15-20 µs a dot; decode/layer.hpp makes it only where the rows exist).
+  ConstView<float, 1> wkv_norm = {};  // (HEAD_DIM)
 };
 
 // Caller scratch of qkv_projection (FP32 / INT32, T rows), plus `extra` bytes for backends that
@@ -168,6 +174,10 @@ inline void validate(const QkvArgs& a) {
     check_extents(where, "w.wq_a_norm", a.w.wq_a_norm, {QL});
     check_nonnegative(where, "w.wq_a_norm", a.w.wq_a_norm, "a value >= 0 (qkv_wq_a_norms)");
   }
+  if (a.w.wkv_norm.data() != nullptr) {
+    check_extents(where, "w.wkv_norm", a.w.wkv_norm, {HD});
+    check_nonnegative(where, "w.wkv_norm", a.w.wkv_norm, "a value >= 0 (qkv_wkv_norms)");
+  }
 }
 
 // Per column n of wq_a (D, Q_LORA) an upper bound of its Euclidean norm (bf16_norm_bound: FP32,
@@ -178,6 +188,11 @@ inline Tensor<float, 1> qkv_wq_a_norms(ConstView<bf16, 2> wq_a) {
   Tensor<float, 1> r({QL});
   for (index_t n = 0; n < QL; ++n) r.data()[n] = bf16_norm_bound(&wq_a(0, n), D, wq_a.stride(0));
   return r;
+}
+
+// Per column n of wkv (D, HEAD_DIM) the same: QkvWeights::wkv_norm.
+inline Tensor<float, 1> qkv_wkv_norms(ConstView<bf16, 2> wkv) {
+  return qkv_wq_a_norms(wkv);
 }
 
 // The tile program (both backends).

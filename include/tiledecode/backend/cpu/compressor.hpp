@@ -25,6 +25,7 @@
 #include "tiledecode/backend/cpu/compressor_avx2.hpp"
 #include "tiledecode/backend/cpu/compressor_avx512.hpp"
 #include "tiledecode/backend/cpu/compressor_check.hpp"
+#include "tiledecode/backend/cpu/rounding_check.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/quant.hpp"
 #include "tiledecode/kernels/compressor.hpp"
@@ -395,7 +396,7 @@ struct backend_ops_compressor {
   // pairs: both), in ch; returns their number, or kMaxChannels + 1 past kMaxChannels.
   static int listed_channels(const Lane& z, const kernels::CompressorArgs& a, index_t rope_pos,
                              int* ch) {
-    const index_t HD = a.spec.head_dim, nope = HD - kRopeDim;
+    const index_t HD = a.spec.head_dim;
     const Ws& ws = z.ws;
     const auto pooled = [&](index_t i) { return double(ws.pooled[i]) + double(ws.z[i]); };
     double ss = 0.0, q = 0.0;
@@ -405,38 +406,12 @@ struct backend_ops_compressor {
       q += e * e;
     }
     const double rho = std::sqrt(q) / (ss + double(HD) * double(a.cfg->rms_eps));
-    const auto yv = [&](index_t i) { return double(ws.y[i]) + double(ws.y_lo[i]); };
-    const auto own = [&](index_t i) {
-      return std::fabs(z.r * double(a.w.norm_w(i).to_float())) * double(ws.bound[i]);
-    };
-    const auto boundary = [](double y, double w) {
-      return bf16(float(y - w)).bits != bf16(float(y + w)).bits;
-    };
-    int n = 0;
-    const auto add = [&](index_t i) {
-      if (n <= kMaxChannels) ch[std::min(n, kMaxChannels)] = int(i);
-      n = std::min(n + 1, kMaxChannels + 1);
-    };
-    for (index_t i = 0; i < nope; ++i) {
-      const double y = yv(i), w = own(i) + std::fabs(y) * (rho + 0x1p-40);
-      if (boundary(y, w)) add(i);
-    }
-    const bf16* cs = a.rope.cos_row(rope_pos);
-    const bf16* sn = a.rope.sin_row(rope_pos);
-    for (index_t k = 0; k < kRopeDim / 2; ++k) {
-      const index_t e = nope + 2 * k, o = e + 1;
-      const double nc = std::fabs(double(cs[k].to_float())),
-                   ns = std::fabs(double(sn[k].to_float()));
-      const auto u = [&](index_t i) {  // |the value before the rotation|, and its bound
-        return std::fabs(pooled(i) * z.r * double(a.w.norm_w(i).to_float()));
-      };
-      const double ue = own(e) + u(e) * rho, uo = own(o) + u(o) * rho;
-      const double ye = yv(e), yo = yv(o);
-      const double we = nc * ue + ns * uo + std::fabs(ye) * 0x1p-40;
-      const double wo = ns * ue + nc * uo + std::fabs(yo) * 0x1p-40;
-      if (boundary(ye, we) || boundary(yo, wo)) add(e), add(o);
-    }
-    return n;
+    const auto nw = [&](index_t i) { return std::fabs(z.r * double(a.w.norm_w(i).to_float())); };
+    return rounding_check::list_bf16_row(
+        HD, kRopeDim, a.rope.cos_row(rope_pos), a.rope.sin_row(rope_pos), rho, 0.0,
+        [&](index_t i) { return nw(i) * double(ws.bound[i]); },
+        [&](index_t i) { return std::fabs(pooled(i)) * nw(i); },
+        [&](index_t i) { return double(ws.y[i]) + double(ws.y_lo[i]); }, ch, kMaxChannels);
   }
 
   static void check_rounding(Lane& z, const kernels::CompressorArgs& a, index_t b, index_t c) {

@@ -4,7 +4,9 @@
 // exact dots), the values whose rounding that error could change, listed for recomputation in
 // golden's order (repair). The scan of a row is compiled for each tier (one body: the compiler
 // vectorizes it for the tier's target). Callers: backend/cpu/output_projection.hpp ("Rounding
-// check"), backend/cpu/qkv_projection.hpp (q_latent).
+// check"), backend/cpu/qkv_projection.hpp (q_latent). list_bf16_row (below) lists the values of a
+// BF16 row after an RMS norm and the RoPE: the kv check (qkv_projection.hpp check_kv) and the
+// compressors' (compressor.hpp "Rounding check").
 
 #include <algorithm>
 #include <bit>
@@ -134,6 +136,45 @@ __attribute__((always_inline)) inline void check_row_body(const bf16* x, index_t
     }
     if (pass == 0 && !found) return;
   }
+}
+
+// The BF16 rows (the compressors' y, kv): a row u (hd values, the last rope_dim rotated by the
+// interleaved RoPE pairs at cos/sin into y) that a BF16 rounding follows, whose values are within
+// own(i) + |u_i| · rho of golden's before the rotation (own: the value's own bound; rho: the
+// shared relative bound of the row's RMS factor). Lists in ch (at most max, then max + 1 is
+// returned) the channels of the values whose interval, rotated (|cos| Y_even + |sin| Y_odd and
+// back), plus 2^-40 |y_i| for the double arithmetic, times (1 + slack), holds a BF16 rounding
+// boundary: bf16(fp32(y − Y)) != bf16(fp32(y + Y)) (both roundings are monotone, so golden's
+// value, within Y, rounds as y does otherwise; a NaN bound lists its value). A rotated pair lists
+// both channels. Returns the number listed.
+template <class Own, class U, class Y>
+int list_bf16_row(index_t hd, index_t rope_dim, const bf16* cos, const bf16* sin, double rho,
+                  double slack, Own own, U u_abs, Y y, int* ch, int max) {
+  const auto boundary = [&](double v, double w) {
+    w *= 1.0 + slack;
+    return !(w <= 1e300) || bf16(float(v - w)).bits != bf16(float(v + w)).bits;
+  };
+  int n = 0;
+  const auto add = [&](index_t i) {
+    if (n <= max) ch[std::min(n, max)] = int(i);
+    n = std::min(n + 1, max + 1);
+  };
+  const index_t nope = hd - rope_dim;
+  for (index_t i = 0; i < nope; ++i) {
+    const double v = y(i);
+    if (boundary(v, own(i) + std::fabs(v) * (rho + 0x1p-40))) add(i);
+  }
+  for (index_t k = 0; k < rope_dim / 2; ++k) {
+    const index_t e = nope + 2 * k, o = e + 1;
+    const double nc = std::fabs(double(cos[k].to_float())),
+                 ns = std::fabs(double(sin[k].to_float()));
+    const double ue = own(e) + u_abs(e) * rho, uo = own(o) + u_abs(o) * rho;
+    const double ye = y(e), yo = y(o);
+    if (boundary(ye, nc * ue + ns * uo + std::fabs(ye) * 0x1p-40) ||
+        boundary(yo, ns * ue + nc * uo + std::fabs(yo) * 0x1p-40))
+      add(e), add(o);
+  }
+  return n;
 }
 
 #if TILEDECODE_X86
