@@ -996,6 +996,44 @@ void report_e2e(const std::string& what, const std::string& tier, const E2eRate&
   testing::Test::RecordProperty(what + " " + tier + " error level", std::to_string(r.level()));
 }
 
+// One compressor at flash shapes (its geometry) and its weights at the projections' statistics
+// (§10.3: kv ~ N(0, 1.57), score ~ N(0, 2.48)), drawn by fill (and x_n ~ N(0, 1) where given, in
+// the draw order the tests' data were measured with).
+struct CmpSetup {
+  td::ModelConfig cfg = td::flash_config();
+  td::kernels::CompressorSpec spec;
+  bool inner;
+  index_t R, HD, OUT, SW, page, D, cols;
+  td::Tensor<bf16, 2> wkv, wgate, hadamard = td::make_hadamard_bf16(128);
+  td::Tensor<float, 2> ape;
+  td::Tensor<bf16, 1> norm_w;
+  explicit CmpSetup(CmpKind kind)
+      : spec(cmp_spec(kind, cfg)),
+        inner(kind == CmpKind::inner),
+        R(spec.ratio),
+        HD(spec.head_dim),
+        OUT(spec.out_dim()),
+        SW(spec.state_width()),
+        page(td::kernels::compressor_state_page(cfg, spec)),
+        D(cfg.hidden),
+        cols(cfg.max_seq_len / page),
+        wkv({OUT, D}),
+        wgate({OUT, D}),
+        ape({R, OUT}),
+        norm_w({HD}) {}
+  void fill(tdtest::Rng& rng, td::Tensor<bf16, 2>* x_n = nullptr) {
+    rng.fill_normal(wkv.flat(), 1.57f / 64.0f);
+    rng.fill_normal(wgate.flat(), 2.48f / 64.0f);
+    rng.fill_normal(ape.flat(), 0.12f);
+    if (x_n) rng.fill_normal(x_n->flat());
+    for (auto& v : norm_w.flat())
+      v = bf16(inner ? 0.685f + 0.26f * rng.normal() : 0.9666f + 0.19f * rng.normal());
+  }
+  td::kernels::CompressorWeights weights() const {
+    return {wkv.view(), wgate.view(), ape.view(), norm_w.view()};
+  }
+};
+
 void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, double bar,
                          const char* name) {
   // Golden's D = 4096 double dots take 25-50 s per test under ASan + checked views; the same
@@ -1003,19 +1041,18 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, double bar
   if (std::getenv("TILEDECODE_SANITIZE_LEAN") != nullptr)
     GTEST_SKIP() << "skipped in the sanitizer pass (TILEDECODE_SANITIZE_LEAN)";
   namespace tk = td::kernels;
-  const td::ModelConfig cfg = td::flash_config();
-  const tk::CompressorSpec spec = cmp_spec(kind, cfg);
-  const bool inner = kind == CmpKind::inner;
-  const index_t R = spec.ratio, HD = spec.head_dim, OUT = spec.out_dim(), SW = spec.state_width();
-  const index_t page = tk::compressor_state_page(cfg, spec), D = cfg.hidden;
-  const index_t cols = cfg.max_seq_len / page;
+  CmpSetup cs(kind);
+  const td::ModelConfig& cfg = cs.cfg;
+  const tk::CompressorSpec& spec = cs.spec;
+  const bool inner = cs.inner;
+  const index_t R = cs.R, OUT = cs.OUT, page = cs.page, D = cs.D;
   constexpr index_t S = 8;
   const index_t L = spec.overlap ? 2 * R : R, steps = L / S;
   tdtest::Rng rng(seed);
   static const td::RopeTable rope = td::make_rope_table(cfg, td::LayerKind::csa, cfg.max_seq_len);
 
   std::vector<index_t> first(static_cast<std::size_t>(B)), last(static_cast<std::size_t>(B));
-  td::Tensor<std::int32_t, 2> table({B, cols});
+  td::Tensor<std::int32_t, 2> table({B, cs.cols});
   for (auto& v : table.flat()) v = -1;
   std::int32_t blocks = 0;
   for (index_t b = 0; b < B; ++b) {
@@ -1026,16 +1063,8 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, double bar
     for (index_t col = first[std::size_t(b)] / page; col <= last[std::size_t(b)] / page; ++col)
       table.view()(b, col) = blocks++;
   }
-  td::Tensor<bf16, 2> wkv({OUT, D}), wgate({OUT, D});
-  td::Tensor<float, 2> ape({R, OUT});
-  td::Tensor<bf16, 1> norm_w({HD});
-  rng.fill_normal(wkv.flat(), 1.57f / 64.0f);  // kv ~ N(0, 1.57), score ~ N(0, 2.48) (§10.3)
-  rng.fill_normal(wgate.flat(), 2.48f / 64.0f);
-  rng.fill_normal(ape.flat(), 0.12f);
-  for (auto& v : norm_w.flat())
-    v = bf16(inner ? 0.685f + 0.26f * rng.normal() : 0.9666f + 0.19f * rng.normal());
-  const td::Tensor<bf16, 2> hadamard = td::make_hadamard_bf16(128);
-  const tk::CompressorWeights w{wkv.view(), wgate.view(), ape.view(), norm_w.view()};
+  cs.fill(rng);
+  const tk::CompressorWeights w = cs.weights();
 
   // Step j: token s of request b at position first_b + 8j + s; x_n rows ~ N(0, 1).
   struct Step {
@@ -1068,10 +1097,10 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, double bar
     CmpOut out;
   };
   const auto fresh = [&] {
-    return Out{td::Tensor<float, 2>({index_t(blocks) * page, SW}), {B, HD}};
+    return Out{td::Tensor<float, 2>({index_t(blocks) * page, cs.SW}), {B, cs.HD}};
   };
   const td::RopeTableView rv = rope.view();
-  const CmpStepInputs in{cfg, spec, w, hadamard.view(), rv, inner};
+  const CmpStepInputs in{cfg, spec, w, cs.hadamard.view(), rv, inner};
   Out g = fresh();
   for (const Step& s : st) golden_cmp_step(in, g.state.view(), g.out, s.x_n.view(), meta(s));
 
@@ -1081,7 +1110,8 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, double bar
       r.bf16.add(inner ? td::round_bf16(o.kv_out.data()[i]) != td::round_bf16(e.kv_out.data()[i])
                        : o.cmp.data()[i].bits != e.cmp.data()[i].bits);
     }
-    for (index_t b = 0; b < B; ++b) r.add_row(&o.kv_out.view()(b, 0), &e.kv_out.view()(b, 0), HD);
+    for (index_t b = 0; b < B; ++b)
+      r.add_row(&o.kv_out.view()(b, 0), &e.kv_out.view()(b, 0), cs.HD);
     if (inner) {
       for (std::size_t i = 0; i < o.idx.size(); ++i) r.q8.add(o.idx.data()[i] != e.idx.data()[i]);
     }
@@ -1098,8 +1128,8 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, double bar
     std::vector<float> wk(static_cast<std::size_t>(OUT * D)), wg(wk.size()),
         x(static_cast<std::size_t>(D));
     for (std::size_t i = 0; i < wk.size(); ++i) {
-      wk[i] = wkv.flat()[i].to_float();
-      wg[i] = wgate.flat()[i].to_float();
+      wk[i] = cs.wkv.flat()[i].to_float();
+      wg[i] = cs.wgate.flat()[i].to_float();
     }
     for (const Step& s : st)
       for (index_t t = 0; t < B * S; ++t) {
@@ -1108,7 +1138,7 @@ void compressor_e2e_test(CmpKind kind, index_t B, std::uint64_t seed, double bar
         for (index_t n = 0; n < OUT; ++n) {
           o.state.view()(slot, n) = old_order_dot(x.data(), wk.data() + n * D, D);
           o.state.view()(slot, OUT + n) =
-              old_order_dot(x.data(), wg.data() + n * D, D) + ape.view()(p % R, n);
+              old_order_dot(x.data(), wg.data() + n * D, D) + cs.ape.view()(p % R, n);
         }
       }
     Step last_tok{td::Tensor<std::int32_t, 1>({B}), td::Tensor<std::int64_t, 1>({B}),
@@ -1198,16 +1228,15 @@ void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t see
   const bool lean = std::getenv("TILEDECODE_SANITIZE_LEAN") != nullptr;
   if (lean) B = std::max<index_t>(B / 16, 4);
   namespace tk = td::kernels;
-  const td::ModelConfig cfg = td::flash_config();
-  const tk::CompressorSpec spec = cmp_spec(kind, cfg);
-  const bool inner = kind == CmpKind::inner;
-  const index_t R = spec.ratio, HD = spec.head_dim, OUT = spec.out_dim(), SW = spec.state_width();
-  const index_t page = tk::compressor_state_page(cfg, spec), D = cfg.hidden;
-  const index_t cols = cfg.max_seq_len / page;
+  CmpSetup cs(kind);
+  const td::ModelConfig& cfg = cs.cfg;
+  const tk::CompressorSpec& spec = cs.spec;
+  const bool inner = cs.inner;
+  const index_t R = cs.R, HD = cs.HD, page = cs.page;
   tdtest::Rng rng(seed);
   static const td::RopeTable rope = td::make_rope_table(cfg, td::LayerKind::csa, cfg.max_seq_len);
 
-  td::Tensor<std::int32_t, 2> table({B, cols});
+  td::Tensor<std::int32_t, 2> table({B, cs.cols});
   for (auto& v : table.flat()) v = -1;
   td::Tensor<std::int32_t, 1> pos({B * S});
   td::Tensor<std::int64_t, 1> state_slots({B * S}), cmp_slots({B * S});
@@ -1226,31 +1255,25 @@ void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t see
       cmp_slots.view()(t) = p == last ? b : -1;
     }
   }
-  td::Tensor<bf16, 2> wkv({OUT, D}), wgate({OUT, D}), x_n({B * S, D});
-  td::Tensor<float, 2> ape({R, OUT});
-  td::Tensor<bf16, 1> norm_w({HD});
-  rng.fill_normal(wkv.flat(), 1.57f / 64.0f);  // kv ~ N(0, 1.57), score ~ N(0, 2.48) (§10.3)
-  rng.fill_normal(wgate.flat(), 2.48f / 64.0f);
-  rng.fill_normal(ape.flat(), 0.12f);
-  rng.fill_normal(x_n.flat());
-  for (auto& v : norm_w.flat())
-    v = bf16(inner ? 0.685f + 0.26f * rng.normal() : 0.9666f + 0.19f * rng.normal());
-  const td::Tensor<bf16, 2> hadamard = td::make_hadamard_bf16(128);
-  const td::Tensor<float, 1> norms = tk::compressor_row_norms(wkv.view(), wgate.view());
-  td::Tensor<float, 1> inf_norms({2 * OUT});
+  td::Tensor<bf16, 2> x_n({B * S, cs.D});
+  cs.fill(rng, &x_n);
+  const td::ConstView<bf16, 2> hadamard = cs.hadamard;
+  const td::Tensor<float, 1> norms = tk::compressor_row_norms(cs.wkv.view(), cs.wgate.view());
+  td::Tensor<float, 1> inf_norms({2 * cs.OUT});
   for (auto& v : inf_norms.flat()) v = std::numeric_limits<float>::infinity();
   // The state pool before the step: the rows the step reads and does not write, at the
   // projections' statistics (kv, then the score).
-  td::Tensor<float, 2> state0({index_t(blocks) * page, SW});
+  td::Tensor<float, 2> state0({index_t(blocks) * page, cs.SW});
   for (index_t r = 0; r < state0.extent(0); ++r)
-    for (index_t n = 0; n < SW; ++n) state0.view()(r, n) = rng.normal() * (n < OUT ? 1.57f : 2.48f);
+    for (index_t n = 0; n < cs.SW; ++n)
+      state0.view()(r, n) = rng.normal() * (n < cs.OUT ? 1.57f : 2.48f);
   const tk::CompressorMetadata meta{td::paged::StepShape{int(B), int(S), -1}, pos.view(),
                                     state_slots.view(), cmp_slots.view(), table.view()};
   const td::RopeTableView rv = rope.view();
 
   const auto run_golden = [&](td::Tensor<float, 2>& st, CmpOut& o) {
-    const tk::CompressorWeights w{wkv.view(), wgate.view(), ape.view(), norm_w.view()};
-    golden_cmp_step({cfg, spec, w, hadamard.view(), rv, inner}, st.view(), o, x_n.view(), meta);
+    const tk::CompressorWeights w = cs.weights();
+    golden_cmp_step({cfg, spec, w, hadamard, rv, inner}, st.view(), o, x_n.view(), meta);
   };
   td::Tensor<float, 2> gs = state0;
   CmpOut g(B, HD);
@@ -1269,7 +1292,7 @@ void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t see
       const index_t c = first[std::size_t(t / S)] / R + (spec.overlap ? 1 : 0);
       const index_t off = spec.overlap && p >= c * R ? HD : 0;  // the current window: the back half
       for (index_t d = 0; d < HD; ++d)
-        for (index_t h : {off, OUT + off}) n.state += st.view()(r, h + d) != gs.view()(r, h + d);
+        for (index_t h : {off, cs.OUT + off}) n.state += st.view()(r, h + d) != gs.view()(r, h + d);
     }
     return n;
   };
@@ -1281,13 +1304,13 @@ void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t see
     const td::cpu::Context ctx{&pool, path.isa, path.bf16};
     td::Tensor<float, 1> ws({tk::compressor_workspace_size(cfg, spec, B * S)});
     for (int mode = 0; mode < 3; ++mode) {  // without norms, with them, with +Inf norms
-      tk::CompressorWeights w{wkv.view(), wgate.view(), ape.view(), norm_w.view()};
+      tk::CompressorWeights w = cs.weights();
       if (mode == 1) w.row_norms = norms.view();
       if (mode == 2) w.row_norms = inf_norms.view();
       td::Tensor<float, 2> st = state0;
       CmpOut o(B, HD);
-      kernel_cmp_step(ctx, {cfg, spec, w, hadamard.view(), rv, inner}, st.view(), o, x_n.view(),
-                      meta, ws.view());
+      kernel_cmp_step(ctx, {cfg, spec, w, hadamard, rv, inner}, st.view(), o, x_n.view(), meta,
+                      ws.view());
       const CmpCheckCounts n = count(st, o);
       const char* m = mode == 0 ? "" : mode == 1 ? "+check" : "+check(inf)";
       std::printf("%-28s %-14s %10ld %8ld %10ld  of %ld / %ld / %ld\n", name,
@@ -1308,7 +1331,7 @@ void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t see
       td::Tensor<float, 2> st1 = state0;
       CmpOut o1(B, HD);
       kernel_cmp_step(td::cpu::Context{nullptr, path.isa, path.bf16},
-                      {cfg, spec, w, hadamard.view(), rv, inner}, st1.view(), o1, x_n.view(), meta,
+                      {cfg, spec, w, hadamard, rv, inner}, st1.view(), o1, x_n.view(), meta,
                       ws.view());
       EXPECT_EQ(std::memcmp(st1.data(), st.data(), st.size() * sizeof(float)), 0);
       EXPECT_EQ(std::memcmp(o1.cmp.data(), o.cmp.data(), o.cmp.size() * sizeof(bf16)), 0);
@@ -1324,7 +1347,7 @@ void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t see
         const td::ConstView<bf16, 2> x1 = x_n.view().slice(0, b * S, (b + 1) * S);
         if (inner) {
           tk::indexer_compressor_step(ctx, cfg, stb.view(), ob.idx.view(), ob.scale.view(), {}, x1,
-                                      w, hadamard.view(), m1, rv, ws1.view());
+                                      w, hadamard, m1, rv, ws1.view());
         } else {
           tk::compressor_step(ctx, cfg, spec, stb.view(), ob.cmp.view(), {}, x1, w, m1, rv,
                               ws1.view());
@@ -1335,7 +1358,7 @@ void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t see
         }
         for (index_t t = b * S; t < (b + 1) * S; ++t) {
           const index_t r = state_slots.view()(t);
-          EXPECT_EQ(std::memcmp(&stb.view()(r, 0), &st.view()(r, 0), sizeof(float) * SW), 0);
+          EXPECT_EQ(std::memcmp(&stb.view()(r, 0), &st.view()(r, 0), sizeof(float) * cs.SW), 0);
         }
       }
     }

@@ -384,9 +384,8 @@ struct backend_ops_compressor {
     return slot_key(a, t) == row ? t : -1;
   }
 
-  // A candidate written in this step: its bound's inputs, its token and where its values live.
+  // A candidate written in this step: its token and where its values live.
   struct WrittenCand {
-    compressor_check::Written w;
     index_t t;
     float* row;   // its state row
     index_t off;  // its half (0 or head_dim)
@@ -436,10 +435,9 @@ struct backend_ops_compressor {
       float* row = a.state_pool.data() + rows[j] * ld;
       const index_t off = kv[j] - row;
       const float ax =  // 2^-24 · max_k |x_n[t, k]|
-          0x1p-24f *
-          compressor_check::bf16_abs_max(reinterpret_cast<const std::uint16_t*>(&a.x_n(t, 0)), D);
+          0x1p-24f * rounding_check::bf16_abs_max(&a.x_n(t, 0), D);
       wr[nw] = {kv[j], sc[j], nk + off, nk + OUT + off, &a.w.ape(a.meta.positions(t) % R, off), ax};
-      wc[nw] = {wr[nw], t, row, off};
+      wc[nw] = {t, row, off};
       ++nw;
     }
     if (nw == 0) return;  // every candidate is an input: y is golden's
@@ -487,7 +485,7 @@ struct backend_ops_compressor {
           xp[m] = &a.x_n(w.t, 0);
           wp[m] = g ? &a.w.wgate(r, 0) : &a.w.wkv(r, 0);
           dst[m] = w.row + (g ? OUT : 0) + r;
-          add[m] = g ? w.w.ape + ch[i] : nullptr;
+          add[m] = g ? &a.w.ape(a.meta.positions(w.t) % a.spec.ratio, r) : nullptr;
           if (++m == kPairDots) flush();
         }
       }

@@ -112,11 +112,4 @@ inline void pool_bound(Isa isa, float* bound, float* bound_r, const float* poole
   pool_bound_body(bound, bound_r, pooled, mx, ls, wr, nw, hd);
 }
 
-// The largest |x| of a BF16 row, as a float (+Inf or NaN bits for a non-finite one).
-inline float bf16_abs_max(const std::uint16_t* x, index_t k) {
-  std::uint16_t m = 0;
-  for (index_t i = 0; i < k; ++i) m = std::max<std::uint16_t>(m, x[i] & 0x7fff);
-  return std::bit_cast<float>(std::uint32_t(m) << 16);
-}
-
 }  // namespace tiledecode::cpu::compressor_check

@@ -485,10 +485,8 @@ struct backend_ops_qkv_projection {
     const index_t HD = a.cfg->head_dim, D = a.cfg->hidden;
     for (index_t i = 0; i < HD; ++i)
       if (!std::isfinite(kd[i])) return;  // the NaN / Inf policy is the kernel's
-    const bf16* x = a.x_n.data() + t * a.x_n.stride(0);
-    std::uint16_t xm = 0;
-    for (index_t k = 0; k < D; ++k) xm = std::max<std::uint16_t>(xm, x[k].bits & 0x7fff);
-    const double xa = 0x1p-24 * double(bf16::from_bits(xm).to_float());
+    const double xa =
+        0x1p-24 * double(rounding_check::bf16_abs_max(a.x_n.data() + t * a.x_n.stride(0), D));
     double e[kMaxHeadDim], er[kMaxHeadDim];
     for (index_t n = 0; n < HD; ++n) {
       const double nrm = double(a.w.wkv_norm(n)), rd = 0x1p-23 * std::fabs(double(kvr[n]));

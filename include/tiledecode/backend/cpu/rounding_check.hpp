@@ -138,6 +138,14 @@ __attribute__((always_inline)) inline void check_row_body(const bf16* x, index_t
   }
 }
 
+// The largest |x| of a BF16 row, as a float (+Inf or a NaN for a non-finite one): the scale
+// max_k |x[k]| of the dots' bound in the BF16-row checks.
+inline float bf16_abs_max(const bf16* x, index_t k) {
+  std::uint16_t m = 0;
+  for (index_t i = 0; i < k; ++i) m = std::max<std::uint16_t>(m, x[i].bits & 0x7fff);
+  return bf16::from_bits(m).to_float();
+}
+
 // The BF16 rows (the compressors' y, kv): a row u (hd values, the last rope_dim rotated by the
 // interleaved RoPE pairs at cos/sin into y) that a BF16 rounding follows, whose values are within
 // own(i) + |u_i| · rho of golden's before the rotation (own: the value's own bound; rho: the
