@@ -43,9 +43,9 @@ struct QkvProblem {
   std::vector<td::Tensor<bf16, 2>> wq_a, wkv;
   std::vector<td::Tensor<std::int8_t, 2>> wq_b;
   std::vector<td::QkvPackedWqB> wq_b_packed;    // the load-time copy, where the CPU has a VNNI tier
-  std::vector<td::QkvBf16Rows> bf16_rows;       // wq_a | wkv transposed, where dpbf16 is automatic
+  std::vector<td::QkvBf16Rows> bf16_rows;       // wq_a | wkv transposed (as LayerWeightsStorage)
   std::vector<td::Tensor<float, 1>> wq_a_norm;  // the q-latent rounding check's column norms
-  std::vector<td::Tensor<float, 1>> wkv_norm;   // the kv rounding check's, where the rows exist
+  std::vector<td::Tensor<float, 1>> wkv_norm;   // the kv rounding check's
   td::Tensor<bf16, 1> gamma_cq, gamma_ckv;
   td::Tensor<float, 1> wq_b_scale;
   td::Tensor<bf16, 2> x, kv;
@@ -75,10 +75,9 @@ struct QkvProblem {
         b.data()[i] = std::int8_t(int((i * 7 + k) % 255) - 127);
       if (td::cpu::has_vnni(td::cpu::detect_isa()))
         wq_b_packed.push_back(td::kernels::pack_qkv_wq_b(cfg, b.view()));
-      if (td::kernels::qkv_bf16_rows_useful()) {  // as LayerWeightsStorage::pack
-        bf16_rows.push_back(td::kernels::pack_qkv_bf16_rows(cfg, a.view(), v.view()));
-        wkv_norm.push_back(td::kernels::qkv_wkv_norms(v.view()));
-      }
+      // As LayerWeightsStorage::pack, on every CPU.
+      bf16_rows.push_back(td::kernels::pack_qkv_bf16_rows(cfg, a.view(), v.view()));
+      wkv_norm.push_back(td::kernels::qkv_wkv_norms(v.view()));
       wq_a_norm.push_back(td::kernels::qkv_wq_a_norms(a.view()));
     }
     gamma_cq = td::Tensor<bf16, 1>({QL});
@@ -110,10 +109,10 @@ struct QkvProblem {
         wkv[k].view(),
         gamma_ckv.view(),
         packed && !wq_b_packed.empty() ? &wq_b_packed[k] : nullptr,
-        packed && !bf16_rows.empty() ? &bf16_rows[k] : nullptr,
+        packed ? &bf16_rows[k] : nullptr,
         checked ? td::ConstView<float, 1>(wq_a_norm[k].view()) : td::ConstView<float, 1>{},
-        checked && packed && !wkv_norm.empty() ? td::ConstView<float, 1>(wkv_norm[k].view())
-                                               : td::ConstView<float, 1>{}};
+        checked && packed ? td::ConstView<float, 1>(wkv_norm[k].view())
+                          : td::ConstView<float, 1>{}};
     td::kernels::qkv_projection(ctx, q.view(), kv.view(), qr.view(), qr_scale.view(), x.view(), w,
                                 rope.view(), pos.view(),
                                 td::QkvScratch{sx.view(), scq.view(), skv.view(), sqr.view()}, cfg);
@@ -124,9 +123,10 @@ struct QkvProblem {
 // makes them in the step); the "_unpacked" variant runs the AVX-VNNI tier on the plain wq_b for
 // comparison, "_fma" pins Bf16Dot::fma (the 512-bit FMA x_n · [wq_a | wkv], every tier's bits)
 // where the automatic choice is vdpbf16ps; "_unchecked" passes no wq_a_norm and no wkv_norm (no
-// q-latent and no kv rounding check: their cost, against qkv_projection_flash; the q-latent's
-// repairs read the transposed rows where LayerWeightsStorage::pack makes them, AMD with AVX-512,
-// else wq_a's columns; the kv check runs only where the rows exist, as pack makes its norms).
+// q-latent and no kv rounding check: their cost, against qkv_projection_flash; both checks'
+// repairs read the transposed rows, as LayerWeightsStorage::pack makes them on every CPU; the
+// "_unpacked" variant has neither the rows nor the kv check, and its q-latent repairs read wq_a's
+// columns).
 void bm_qkv(benchmark::State& state, td::ModelConfig cfg, bool packed, td::cpu::Bf16Dot bf16_dot,
             bool checked) {
   const index_t T = state.range(0);

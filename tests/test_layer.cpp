@@ -678,6 +678,16 @@ void check_layer(td::LayerKind kind, std::array<std::int32_t, 4> starts, int com
                            L.rope.view(), cfg, opt, &tr);
   // Intermediates first (they explain an x_out failure).
   auto v = ws.views(B, S);
+  const auto same = [](const auto& a, const auto& b) {
+    return a.size() == b.size() &&
+           std::memcmp(a.data(), b.data(), a.size() * sizeof(*a.data())) == 0;
+  };
+  // LayerWeightsStorage::pack gives the q-latent's and the kv rounding checks on every CPU (their
+  // norms and the transposed rows their repairs read), and x_n is golden's bytes: qr and kv are
+  // golden's bytes on every tier and dot order (issue 17).
+  ASSERT_TRUE(same(td::ConstView<bf16, 2>(v.x_n), tr.x_n.view())) << "x_n";
+  EXPECT_TRUE(same(td::ConstView<std::int8_t, 2>(v.qr), tr.qr.view())) << "qr";
+  EXPECT_TRUE(same(td::ConstView<bf16, 2>(v.kv), tr.kv.view())) << "kv";
   EXPECT_TRUE(tdtest::ratio_allclose(tdtest::to_float_vec(td::ConstView<bf16, 3>(v.q)),
                                      floats(tr.q), 1e-4, 1.0 / 128, 0.0))
       << "q";
@@ -707,10 +717,6 @@ void check_layer(td::LayerKind kind, std::array<std::int32_t, 4> starts, int com
   if (compressor_check) {
     // x_n is golden's bytes and both start from the same pools, so with the check the emitted
     // compressed rows are golden's bytes (the check's promise from the step's inputs).
-    const auto same = [](const auto& a, const auto& b) {
-      return a.size() == b.size() &&
-             std::memcmp(a.data(), b.data(), a.size() * sizeof(*a.data())) == 0;
-    };
     EXPECT_TRUE(same(L.caches.cmp_kv, gold.cmp_kv)) << "cmp_kv";
     if (kind == td::LayerKind::csa) {
       EXPECT_TRUE(same(L.caches.idx_kv_cache, gold.idx_kv_cache)) << "idx_kv_cache";

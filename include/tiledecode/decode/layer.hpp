@@ -106,11 +106,16 @@ struct LayerWeightsStorage {
   // integers): a second copy of wq_b (Q_LORA·H·512 bytes, flash 32 MB per layer), not counted in
   // bytes().
   QkvPackedWqB wq_b_packed;
-  // wq_a | wkv transposed for the avx512 tier's vdpbf16ps q/kv projection, filled by pack() where
-  // the automatic BF16 choice resolves to dpbf16 (kernels::qkv_bf16_rows_useful: AMD with
-  // AVX-512): a second copy ((Q_LORA + 512)·D BF16, flash 12.6 MB per layer), not counted in
-  // bytes(). A step pinned to Bf16Dot::fma (every tier's bits) or Bf16Dot::exact (double sums from
-  // wq_a | wkv themselves) ignores it.
+  // wq_a | wkv transposed, filled by pack() on every CPU: a second copy ((Q_LORA + 512)·D BF16,
+  // flash 12.6 MB per layer), not counted in bytes(). Two readers:
+  //   * the q-latent's and the kv rounding checks' repairs (one contiguous row per dot instead of
+  //     a cache line per k of a column; on an Intel Xeon with AVX-512, T = 8: the kv check +9.7 %
+  //     from wkv's columns, +0.2 % from the rows, the q-latent check 2.8 % cheaper; see
+  //     docs/compressors.md, "kv check cost");
+  //   * the avx512 tier's vdpbf16ps q/kv projection where the automatic BF16 choice resolves to
+  //     dpbf16 (kernels::qkv_bf16_rows_useful: AMD with AVX-512). A step pinned to Bf16Dot::fma
+  //     (every tier's bits) or Bf16Dot::exact (double sums from wq_a | wkv themselves) runs its
+  //     dots on wq_a | wkv.
   QkvBf16Rows qkv_rows;
   // Per wo_a row an upper bound of its norm (kernels::output_projection_row_norms), filled by
   // pack(): the scale of the CPU o-proj's rounding check, which makes the default BF16 dots give
@@ -120,10 +125,9 @@ struct LayerWeightsStorage {
   // scale of the CPU q-latent's rounding check, which makes the default BF16 dots give golden's
   // qr (Q_LORA floats, not counted in bytes()).
   Tensor<float, 1> wq_a_norm;
-  // Per wkv column an upper bound of its norm (kernels::qkv_wkv_norms), filled by pack() where it
-  // makes qkv_rows (the kv rounding check's repairs read them; from wkv's columns they would cost
-  // more than the 5 % budget): the scale of the CPU kv check, which makes the default dots give
-  // golden's kv (HEAD_DIM floats, not counted in bytes()).
+  // Per wkv column an upper bound of its norm (kernels::qkv_wkv_norms), filled by pack() (beside
+  // qkv_rows, which the kv check's repairs read): the scale of the CPU kv rounding check, which
+  // makes the default dots give golden's kv (HEAD_DIM floats, not counted in bytes()).
   Tensor<float, 1> wkv_norm;
   // Per wkv and wgate row of the main and the inner compressor an upper bound of its norm
   // (kernels::compressor_row_norms), opt-in: pack() leaves them empty; a caller that sets them
@@ -203,19 +207,17 @@ struct LayerWeightsStorage {
   }
 
   // Load-time preparation after the weights are filled: packs wq_b for the VNNI q/kv projection
-  // (only where the CPU has AVX-VNNI or AVX-512), transposes wq_a | wkv for the vdpbf16ps one
-  // (only where that is the automatic choice; there also wkv's column norms, the kv rounding
-  // check's), bounds wo_a's row norms and wq_a's column norms (the o-proj's and the q-latent's
-  // rounding checks) and packs the indexer query weights (CSA).
+  // (only where the CPU has AVX-VNNI or AVX-512), transposes wq_a | wkv (the rounding checks'
+  // repairs; the vdpbf16ps q/kv projection where that is the automatic choice), bounds wo_a's row
+  // norms, wq_a's and wkv's column norms (the o-proj's, the q-latent's and the kv rounding checks)
+  // and packs the indexer query weights (CSA).
   void pack(const ModelConfig& cfg) {
     wo_a_norm = kernels::output_projection_row_norms(wo_a.view());
     wq_a_norm = kernels::qkv_wq_a_norms(wq_a.view());
+    wkv_norm = kernels::qkv_wkv_norms(wkv.view());
     if (cpu::cpu_supports(cpu::Isa::avx2_vnni) || cpu::cpu_supports(cpu::Isa::avx512))
       wq_b_packed = kernels::pack_qkv_wq_b(cfg, wq_b.view());
-    if (kernels::qkv_bf16_rows_useful()) {
-      qkv_rows = kernels::pack_qkv_bf16_rows(cfg, wq_a.view(), wkv.view());
-      wkv_norm = kernels::qkv_wkv_norms(wkv.view());
-    }
+    qkv_rows = kernels::pack_qkv_bf16_rows(cfg, wq_a.view(), wkv.view());
     if (kind != LayerKind::csa) return;
     idx_packed = kernels::pack_indexer_query_weights(cfg, idx_wq_b.view(), idx_wq_b_scale.view(),
                                                      hadamard.view());

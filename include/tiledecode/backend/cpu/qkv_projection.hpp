@@ -150,8 +150,9 @@ inline QkvPackedWqB pack_qkv_wq_b(const ModelConfig& cfg, ConstView<std::int8_t,
   return p;
 }
 
-// Where the q/kv projection would read QkvWeights::bf16_rows: the avx512 tier with the automatic
-// BF16 choice resolving to vdpbf16ps (AMD). LayerWeightsStorage::pack makes the copy only there.
+// Where the q/kv projection's dots would read QkvWeights::bf16_rows: the avx512 tier with the
+// automatic BF16 choice resolving to vdpbf16ps (AMD). LayerWeightsStorage::pack makes the copy on
+// every CPU: the rounding checks' repairs read it everywhere.
 inline bool qkv_bf16_rows_useful() {
   return cpu::cpu_supports(cpu::Isa::avx512) &&
          cpu::resolved_bf16_dot(cpu::Bf16Dot::automatic) == cpu::Bf16Dot::dpbf16;
@@ -477,7 +478,11 @@ struct backend_ops_qkv_projection {
   // golden's r in golden's order (Σ d² ascending, 1 / sqrt(Σ / hd + eps)), so its kv is golden's.
   // Measured (1024 tokens, flash statistics, both dot orders): 98 % of tokens list a value, 4.2
   // dots repaired a token (a RoPE pair lists both), 13 tokens (1.3 %) need every dot. The dots
-  // are read from bf16_rows where present (~1 µs each), else from wkv's columns (~15-20 µs).
+  // are read from bf16_rows where present (~1 µs each), else from wkv's columns (a cache line per
+  // k, ~15-20 µs each): on an Intel Xeon with AVX-512 (flash, T = 8, one thread) the check costs
+  // +9.7 % of the call from the columns and +0.2 % from the rows, which also save the q-latent
+  // check's repairs 2.8 % (docs/compressors.md, "kv check cost"); LayerWeightsStorage::pack makes
+  // the rows.
   static constexpr int kMaxKvRepairs = 32;  // dot repairs a token; past that, every dot
   static constexpr float kKvKappaR = 4.0f;
   static void check_kv(const kernels::QkvArgs& a, index_t t, const float* kvr, double* d,
