@@ -146,7 +146,9 @@ void fill_bf16(std::span<bf16> v, std::uint64_t seed, float lo, float hi) {
 // Bf16Dot::exact's kernels (backend/cpu/bf16_exact.hpp): on every tier this CPU has, both
 // arrangements give bf16_dot_exact's sequential double sum rounded once, bit for bit (NaN as NaN),
 // over shapes around their blocks and tiles: tokens around the 8-token panels and the passes of 4
-// (1, 7, 8, 9, 33, 70), rows around the 24 / 6-row tiles and 96-row chunks (1, 5, 23, 25, 97, 200),
+// and the few-token kernels (up to 4 tokens past the last whole panel: 1-4, 12; 13 keeps its 5 on
+// a panel) (1, 2, 3, 4, 7, 8, 9, 12, 13, 33, 70), rows around the 24 / 6-row tiles, the few-token
+// kernels' 8-row groups and 32 / 16-row tiles and the 96-row chunks (1, 5, 23, 25, 97, 200),
 // reductions around the 64 / 512-k blocks and the 8 / 4-element vectors (1, 7, 63, 65, 130, 513,
 // 4096), padded leading dimensions, column ranges with a partial last vector; values with zeros,
 // BF16 subnormals (exact in double: no flush on these paths), ±Inf and NaN. Random products
@@ -159,7 +161,7 @@ TEST(ExactDots, EveryTierAndShapeIsTheSequentialDoubleSum) {
                          : std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
   };
   int cases = 0, shape = 0, shapes = 0;
-  for (index_t T : {1, 7, 8, 9, 33, 70})
+  for (index_t T : {1, 2, 3, 4, 7, 8, 9, 12, 13, 33, 70})
     for (index_t R : {1, 5, 23, 25, 97, 200})
       for (index_t d : {1, 7, 63, 65, 130, 513, 4096}) {
         if (T * R * d > 40'000'000) continue;
@@ -223,7 +225,7 @@ TEST(ExactDots, EveryTierAndShapeIsTheSequentialDoubleSum) {
           ++cases;
         }
       }
-  EXPECT_EQ(shapes, 251);
+  EXPECT_EQ(shapes, 461);
   EXPECT_EQ(cases, shapes * int(tiers().size()));
 }
 

@@ -29,11 +29,15 @@
 //         the register tile's rows widened to doubles once for a pass of up to kGroups panels;
 //         per k one panel load and a broadcast multiply-add per row. AVX-512: 24 rows per
 //         register tile, AVX2: 6 (two vectors each). The next block of each row is prefetched.
+//   few   the rows arrangement's last n_tok % 8 tokens, up to 4 (all of them below 5 tokens: the
+//         rounding checks' repairs): the lanes on 8 rows, each 8 × 8 block of BF16 transposed in
+//         registers (24 unpacks) and widened, a broadcast multiply-add per token and k. AVX-512:
+//         32 rows per tile, AVX2: 16 (two vectors per 8 rows, two tokens at a time).
 //   cols  w[k·ld_w + n] (a weight column per output; the q/kv wq_a / wkv): the lanes on 8 (4)
 //         columns, each token's x[k] broadcast. AVX-512: 3 column vectors × 8 tokens per tile,
 //         AVX2: 3 × 4.
 // Partial sums live in double between k blocks (stored, reloaded: the same value). Neither
-// kernel throws or allocates; scratch is on the stack (rows 52 KB, cols 38 KB).
+// kernel throws or allocates; scratch is on the stack (rows 52 KB, few 16 KB, cols 38 KB).
 
 #include <algorithm>
 #include <cstdint>
@@ -165,6 +169,45 @@ __attribute__((always_inline)) inline void prefetch_next_block(const bf16* wr, i
     _mm_prefetch(reinterpret_cast<const char*>(wr + kBlockK + k), _MM_HINT_T0);
 }
 
+// Few tokens (the rounding checks' repairs of one request's written candidates, the tokens past
+// whole 8-token panels): the lanes on rows instead, so that no lane idles. Per 8 k, each group of
+// 8 rows is an 8 × 8 block of BF16 transposed as 16-bit values (transpose8x8_bf16) and widened
+// to doubles, one vector per k with the 8 rows in its lanes; per token a broadcast x[k] and a
+// multiply-add per vector: each lane is one row's sum, in ascending k. Per 8 rows and k that is
+// the transpose's 3 unpacks and a widening, shared by the tokens, and one multiply-add per token,
+// against one per token panel (8 lanes) on the rows above.
+inline constexpr int kFewTok = 4;           // tokens per pass of the few-token kernels
+inline constexpr index_t kFewBlockK = 512;  // k per block of the tokens' x as double (16 KB)
+inline constexpr index_t kFewAhead = 256;   // their prefetch distance in the rows, in k
+
+// c[k] = the 8 BF16 w[r·ld_w + k], r < 8, in 16-bit lane r (r >= nr or k >= n: +0), k < 8:
+// 16-bit interleaves of row pairs, 32-bit of pairs of pairs, 64-bit of the halves, 24 unpacks.
+// SSE2, so it compiles into either tier's kernel (always inlined).
+__attribute__((always_inline)) inline void transpose8x8_bf16(__m128i c[8], const bf16* w,
+                                                             index_t ld_w, int nr, index_t n) {
+  __m128i a[8], b[8], h[8];
+  for (int r = 0; r < 8; ++r) {
+    a[r] = _mm_setzero_si128();
+    if (r < nr && n >= 8)
+      a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * ld_w));
+    else if (r < nr)
+      __builtin_memcpy(&a[r], w + r * ld_w, std::size_t(n) * sizeof(bf16));
+  }
+  for (int i = 0; i < 4; ++i) {  // rows 2i, 2i + 1: k 0-3, then k 4-7
+    b[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+    b[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+  }
+  for (int g = 0; g < 2; ++g)  // rows 4g..4g + 3: k 0-1, 2-3, 4-5, 6-7
+    for (int q = 0; q < 2; ++q) {
+      h[4 * g + 2 * q] = _mm_unpacklo_epi32(b[4 * g + q], b[4 * g + q + 2]);
+      h[4 * g + 2 * q + 1] = _mm_unpackhi_epi32(b[4 * g + q], b[4 * g + q + 2]);
+    }
+  for (int j = 0; j < 4; ++j) {  // rows 0-3 and 4-7 of k 2j, 2j + 1
+    c[2 * j] = _mm_unpacklo_epi64(h[j], h[4 + j]);
+    c[2 * j + 1] = _mm_unpackhi_epi64(h[j], h[4 + j]);
+  }
+}
+
 using Panels = double[kGroups][kBlockK * kTok];
 using Sums = double[kGroups][kChunkRows * kTok];
 
@@ -211,6 +254,71 @@ __attribute__((always_inline)) inline void rows_driver(float* out, index_t ld_ou
       }
     }
   }
+}
+
+// out[t·ld_out + r] for t < NT, r < nr <= Tier::kFewRows: the few-token arrangement (above), per
+// block of kFewBlockK k the tokens' x widened to doubles (Tier::widen_x), per 8 k and group of 8
+// rows the block transposed (transpose8x8_bf16) and Tier::few_step<NT>(acc, v, c[j], xd, k + j)
+// per k: acc[t][v] += the group's 8 weights at k, widened, times x[t][k], for t < NT. Tier
+// provides kFewVecs (groups per tile), FewAcc, few_zero(acc), few_step and few_store(a, acc)
+// (the group's 8 sums into a[0..8)). Always inlined into the tier's Tier::few.
+template <class Tier, int NT>
+__attribute__((always_inline)) inline void few_tile(float* out, index_t ld_out, const bf16* x,
+                                                    index_t ld_x, const bf16* w, index_t ld_w,
+                                                    int nr, index_t d) {
+  constexpr int NV = Tier::kFewVecs;
+  alignas(64) double xd[NT * kFewBlockK];
+  typename Tier::FewAcc acc[NT][NV];
+  for (int t = 0; t < NT; ++t)
+    for (int v = 0; v < NV; ++v) Tier::few_zero(acc[t][v]);
+  for (index_t k0 = 0; k0 < d; k0 += kFewBlockK) {
+    const index_t kk = std::min(kFewBlockK, d - k0);
+    for (int t = 0; t < NT; ++t) Tier::widen_x(xd + t * kFewBlockK, x + t * ld_x + k0, kk);
+    for (index_t k = 0; k < kk; k += 8) {
+      const index_t n = std::min<index_t>(8, kk - k);
+      if (k % 32 == 0 && k0 + k + kFewAhead < d)
+        for (int r = 0; r < nr; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + r * ld_w + k0 + k + kFewAhead),
+                       _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        if (8 * v >= nr) break;
+        __m128i c[8];
+        transpose8x8_bf16(c, w + 8 * v * ld_w + k0 + k, ld_w, nr - 8 * v, n);
+        if (n == 8) {
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) Tier::template few_step<NT>(acc, v, c[j], xd, k + j);
+        } else {
+          for (int j = 0; j < int(n); ++j) Tier::template few_step<NT>(acc, v, c[j], xd, k + j);
+        }
+      }
+    }
+  }
+  double a[8];
+  for (int t = 0; t < NT; ++t)
+    for (int v = 0; v < NV; ++v) {
+      Tier::few_store(a, acc[t][v]);
+      for (int i = 0; i < std::min(8, nr - 8 * v); ++i) out[t * ld_out + 8 * v + i] = float(a[i]);
+    }
+}
+
+// rows_driver's results, with the last n_tok % 8 tokens, up to kFewTok of them, on the tier's
+// few-token kernel (Tier::few<NT>(out, ld_out, x, ld_x, w, ld_w, nr, d): nr <= Tier::kFewRows
+// rows, the lanes on rows): the same sums in the same order, so the same bits.
+template <class Tier>
+__attribute__((always_inline)) inline void rows_dispatch(float* out, index_t ld_out, const bf16* x,
+                                                         index_t ld_x, index_t n_tok, const bf16* w,
+                                                         index_t ld_w, index_t n_rows, index_t d) {
+  const index_t few = n_tok % kTok <= kFewTok ? n_tok % kTok : 0, panels = n_tok - few;
+  if (panels > 0) rows_driver<Tier>(out, ld_out, x, ld_x, panels, w, ld_w, n_rows, d);
+  if (few == 0) return;
+  float* fo = out + panels * ld_out;
+  const bf16* fx = x + panels * ld_x;
+  with_static_count<kFewTok>(int(few), [&]<int NT>() {
+    for (index_t r0 = 0; r0 < n_rows; r0 += Tier::kFewRows)
+      Tier::template few<NT>(fo + r0, ld_out, fx, ld_x, w + r0 * ld_w, ld_w,
+                             int(std::min<index_t>(Tier::kFewRows, n_rows - r0)), d);
+  });
 }
 
 // The cols arrangement of both vector tiers (the lanes on Tier::kLanes columns, Tier::kColTok
@@ -316,6 +424,29 @@ TILEDECODE_TARGET_AVX512 inline void cols_tile(double* s, index_t ld_s, const do
 // The drivers' tier (cpu::exact_detail): 24-row tiles on 8 token lanes; 3 × 8 columns × 8 tokens.
 struct Tier {
   static constexpr int kTileRows = 24, kColTok = 8, kLanes = 8, kTileVecs = 3;
+  // The few-token kernel (cpu::exact_detail::few_tile): 4 groups of 8 rows, a vector each, so
+  // NT · 4 chains of multiply-adds overlap.
+  static constexpr int kFewVecs = 4, kFewRows = 8 * kFewVecs;
+  using FewAcc = __m512d;
+  TILEDECODE_TARGET_AVX512 static void few_zero(FewAcc& a) { a = _mm512_setzero_pd(); }
+  // acc[t][v] += w[0..8)[k] · xd[t·kFewBlockK + k] for t < NT, c: w's 8 rows at k as BF16.
+  template <int NT>
+  TILEDECODE_TARGET_AVX512 static void few_step(FewAcc (*acc)[kFewVecs], int v, __m128i c,
+                                                const double* xd, index_t k) {
+    const __m512d wv = _mm512_maskz_cvtps_pd(
+        kAll, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(c), 16)));
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t)
+      acc[t][v] = _mm512_fmadd_pd(wv, _mm512_set1_pd(xd[t * kFewBlockK + k]), acc[t][v]);
+  }
+  TILEDECODE_TARGET_AVX512 static void few_store(double* a, const FewAcc& acc) {
+    _mm512_storeu_pd(a, acc);
+  }
+  template <int NT>
+  TILEDECODE_TARGET_AVX512 static void few(float* out, index_t ld_out, const bf16* x, index_t ld_x,
+                                           const bf16* w, index_t ld_w, int nr, index_t d) {
+    few_tile<Tier, NT>(out, ld_out, x, ld_x, w, ld_w, nr, d);
+  }
 
   // 8×8 transposes of the tokens' widened rows.
   TILEDECODE_TARGET_AVX512 static void token_panel(double* xp, const bf16* x, index_t ld_x, int nt,
@@ -381,12 +512,13 @@ struct Tier {
 };
 }  // namespace exact_detail
 
-// bf16_rows_dot_exact_scalar's results (the order at the top), the lanes on tokens.
+// bf16_rows_dot_exact_scalar's results (the order at the top), the lanes on tokens (the last
+// n_tok % 8 <= kFewTok tokens: on rows).
 TILEDECODE_TARGET_AVX512 inline void bf16_rows_dot_exact(float* out, index_t ld_out, const bf16* x,
                                                          index_t ld_x, index_t n_tok, const bf16* w,
                                                          index_t ld_w, index_t n_rows, index_t d) {
-  cpu::exact_detail::rows_driver<exact_detail::Tier>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows,
-                                                     d);
+  cpu::exact_detail::rows_dispatch<exact_detail::Tier>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows,
+                                                       d);
 }
 
 // bf16_cols_dot_exact_scalar's results (the order at the top), the lanes on columns.
@@ -468,6 +600,38 @@ TILEDECODE_TARGET_AVX2 inline void cols_tile(double* s, index_t ld_s, const doub
 // The drivers' tier: 6-row tiles on 8 token lanes (two vectors); 3 × 4 columns × 4 tokens.
 struct Tier {
   static constexpr int kTileRows = 6, kColTok = 4, kLanes = 4, kTileVecs = 3;
+  // The few-token kernel (cpu::exact_detail::few_tile): 2 groups of 8 rows, two vectors each,
+  // so NT · 4 chains of multiply-adds overlap; two tokens at a time (16 vector registers: more
+  // would spill the sums).
+  static constexpr int kFewVecs = 2, kFewRows = 8 * kFewVecs;
+  struct FewAcc {
+    __m256d lo, hi;
+  };
+  TILEDECODE_TARGET_AVX2 static void few_zero(FewAcc& a) { a.lo = a.hi = _mm256_setzero_pd(); }
+  template <int NT>
+  TILEDECODE_TARGET_AVX2 static void few_step(FewAcc (*acc)[kFewVecs], int v, __m128i c,
+                                              const double* xd, index_t k) {
+    const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(c), 16));
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(f)),
+                  hi = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+#pragma GCC unroll 2
+    for (int t = 0; t < NT; ++t) {
+      const __m256d xb = _mm256_broadcast_sd(xd + t * kFewBlockK + k);
+      acc[t][v].lo = _mm256_fmadd_pd(lo, xb, acc[t][v].lo);
+      acc[t][v].hi = _mm256_fmadd_pd(hi, xb, acc[t][v].hi);
+    }
+  }
+  TILEDECODE_TARGET_AVX2 static void few_store(double* a, const FewAcc& acc) {
+    _mm256_storeu_pd(a, acc.lo);
+    _mm256_storeu_pd(a + 4, acc.hi);
+  }
+  template <int NT>
+  TILEDECODE_TARGET_AVX2 static void few(float* out, index_t ld_out, const bf16* x, index_t ld_x,
+                                         const bf16* w, index_t ld_w, int nr, index_t d) {
+    few_tile<Tier, std::min(NT, 2)>(out, ld_out, x, ld_x, w, ld_w, nr, d);
+    if constexpr (NT > 2)
+      few_tile<Tier, NT - 2>(out + 2 * ld_out, ld_out, x + 2 * ld_x, ld_x, w, ld_w, nr, d);
+  }
 
   // 4×4 transposes of the tokens' widened rows, two per 8 tokens.
   TILEDECODE_TARGET_AVX2 static void token_panel(double* xp, const bf16* x, index_t ld_x, int nt,
@@ -521,12 +685,13 @@ struct Tier {
 };
 }  // namespace exact_detail
 
-// bf16_rows_dot_exact_scalar's results (the order at the top), the lanes on tokens.
+// bf16_rows_dot_exact_scalar's results (the order at the top), the lanes on tokens (the last
+// n_tok % 8 <= kFewTok tokens: on rows).
 TILEDECODE_TARGET_AVX2 inline void bf16_rows_dot_exact(float* out, index_t ld_out, const bf16* x,
                                                        index_t ld_x, index_t n_tok, const bf16* w,
                                                        index_t ld_w, index_t n_rows, index_t d) {
-  cpu::exact_detail::rows_driver<exact_detail::Tier>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows,
-                                                     d);
+  cpu::exact_detail::rows_dispatch<exact_detail::Tier>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows,
+                                                       d);
 }
 
 // bf16_cols_dot_exact_scalar's results (the order at the top), the lanes on columns.

@@ -345,17 +345,23 @@ struct backend_ops_compressor {
   //     Y_odd and back), plus 2^-40 |y_i| for the double arithmetic; listed when
   //     bf16(fp32(y_i − Y_i)) != bf16(fp32(y_i + Y_i)) (the two roundings are monotone, so golden's
   //     y, within Y_i, rounds as y does otherwise).
-  // Repairs, in two steps: the channels of the listed values first (each written candidate's kv
+  // Repairs, in three steps: the channels of the listed values first (each written candidate's kv
   // and score, 16 dots at a time; their B_d becomes 0; re-pooled by the scalar twin, the tiers'
-  // bits), then, if a value is still listed (ρ: golden's r needs every channel), every channel of
-  // every written candidate (bf16_rows_dot_exact, a pass over the half's weight rows per run of
-  // consecutive tokens), and the row is pooled again. The pooling hands the check its softmax max
-  // and weight sum per channel (ws.mx, ws.ls), so the bound costs an exp per written candidate
-  // and channel only. The repaired state
-  // values are golden's, and they stay in the pool. A row with a non-finite y is not checked (its
-  // policy is the kernel's). Opt-in (CompressorWeights::row_norms): its cost exceeds the 5 %
-  // budget on steps that close windows. Cost and rates: docs/compressors.md ("Rounding accuracy").
+  // bits); then, while a value is still listed (ρ: golden's r needs more channels), rounds of
+  // kRhoBatch channels, a listed one not yet repaired first, then the largest shares of ρ's sum
+  // of squares (next_channels), each round listed again, up to half the channels; past that,
+  // every channel of every written candidate (bf16_rows_dot_exact, a pass over the half's weight
+  // rows per run of consecutive tokens), and the row is pooled again. The rounds read 2 · nw
+  // weight rows per channel, as the full repair does, so they save what they leave out: on
+  // bench_compressor's live windows no row went past them (CSA: 2.8 channels a row on average
+  // in them, where 4.7 % of rows took all 512 before; docs/compressors.md). The pooling hands the
+  // check its softmax max and weight sum per channel (ws.mx, ws.ls), so the bound costs an exp per
+  // written candidate and channel only. The repaired state values are golden's, and they stay in
+  // the pool. A row with a non-finite y is not checked (its policy is the kernel's). Opt-in
+  // (CompressorWeights::row_norms): its cost exceeds the 5 % budget on steps that close windows.
+  // Cost and rates: docs/compressors.md ("Rounding accuracy").
   static constexpr int kMaxChannels = 32;  // channel repairs per row; past that, every channel
+  static constexpr int kRhoBatch = 16;     // channels per round of the repairs for ρ
 
   static bool checking(const Cpu<I>& be, const kernels::CompressorArgs& a) {
     return kernels::detail::view_given(a.w.row_norms.size(), a.w.row_norms.data()) &&
@@ -446,20 +452,68 @@ struct backend_ops_compressor {
     int ch[kMaxChannels + 1];
     int nch = listed_channels(z, a, rope_pos, ch);
     if (nch == 0) return;
-    if (nch <= kMaxChannels) {
-      repair_channels(z, a, wc, nw, ch, nch);
-      for (int i = 0; i < nch; ++i) {
-        ws.bound[ch[i]] = 0.0f;
-        ws.bound_r[ch[i]] = 0.0f;
-        kernels::detail::pool_channels_scalar(ws.pooled, ws.z, kv, sc, n, ch[i], ch[i] + 1);
+    // Golden's state values of channels ch[0 .. m): their bounds become 0, the channels are
+    // pooled again (the scalar twin: every tier's bits) and y follows.
+    const auto repair = [&](const int* chs, int m) {
+      repair_channels(z, a, wc, nw, chs, m);
+      for (int i = 0; i < m; ++i) {
+        ws.bound[chs[i]] = 0.0f;
+        ws.bound_r[chs[i]] = 0.0f;
+        kernels::detail::pool_channels_scalar(ws.pooled, ws.z, kv, sc, n, chs[i], chs[i] + 1);
       }
       norm_rope(z, a, rope_pos);
+    };
+    int done = 0;  // channels repaired
+    if (nch <= kMaxChannels) {
+      repair(ch, nch);
+      done = nch;
       nch = listed_channels(z, a, rope_pos, ch);
-      if (nch == 0) return;
     }
+    // Still listed: ρ, golden's r needs more channels. The largest shares of ρ's sum of squares
+    // first, kRhoBatch channels a round (with any listed channel not yet repaired), while that
+    // costs less than every channel (repair_rows reads the same rows, 2 · nw dots a channel, in
+    // one pass).
+    while (nch > 0 && nch <= kMaxChannels && done + kRhoBatch <= HD / 2) {
+      int next[kRhoBatch];
+      const int m = next_channels(ws, HD, ch, nch, next);
+      if (m == 0) break;
+      repair(next, m);
+      done += m;
+      nch = listed_channels(z, a, rope_pos, ch);
+    }
+    if (nch == 0) return;
     repair_rows(z, a, wc, nw);
     pool(z, a, b, c);
     norm_rope(z, a, rope_pos);
+  }
+
+  // The next channels to repair for ρ (check_rounding): the listed ones (ch[0 .. nch)) not yet
+  // repaired, then the rest by their share of ρ's sum, (p_d · bound_r[d])², largest first (ties:
+  // the lower channel), up to kRhoBatch in all; a repaired channel's bounds are 0, as are those of
+  // a channel with nothing to repair. Returns their number (0: no channel has a share left).
+  static int next_channels(const Ws& ws, index_t HD, const int* ch, int nch, int* next) {
+    int m = 0;
+    for (int i = 0; i < nch && m < kRhoBatch; ++i)
+      if ((ws.bound[ch[i]] != 0.0f || ws.bound_r[ch[i]] != 0.0f) &&
+          std::find(next, next + m, ch[i]) == next + m)
+        next[m++] = ch[i];
+    if (m == kRhoBatch) return m;
+    const int listed = m;
+    double top[kRhoBatch];  // the shares of next[listed .. m), descending
+    for (int d = 0; d < int(HD); ++d) {
+      if (ws.bound_r[d] == 0.0f || std::find(next, next + listed, d) != next + listed) continue;
+      const double p = (double(ws.pooled[d]) + double(ws.z[d])) * double(ws.bound_r[d]);
+      const double s = p * p;
+      if (!(s > 0.0) || (m == kRhoBatch && !(s > top[m - 1]))) continue;
+      int i = m < kRhoBatch ? m++ : m - 1;  // full: the smallest share drops out
+      for (; i > listed && top[i - 1] < s; --i) {
+        top[i] = top[i - 1];
+        next[i] = next[i - 1];
+      }
+      top[i] = s;
+      next[i] = d;
+    }
+    return m;
   }
 
   // Golden's state values of channels ch[0 .. nch) of every written candidate: kv and score.
