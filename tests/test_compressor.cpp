@@ -5,6 +5,7 @@
 // Rows that must not be written are compared bit-exactly with their initial contents.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 
 #include <cmath>
@@ -16,6 +17,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/compare.hpp"
@@ -345,6 +347,61 @@ void check_case(const Options& o, int expected_emitted) {
 }
 
 // --- CSA main compressor (ratio 4, overlapping) ----------------------------------------------
+
+// The rounding check's rounds for ρ pick their channels (backend_ops_compressor::next_channels):
+// the listed channels not yet repaired first, in their order and once each (a repaired channel's
+// bounds are 0), then the largest shares (p_d · bound_r[d])², ties to the lower channel, skipping
+// channels with no share (repaired, p = 0, NaN), up to kRhoBatch in all; checked against a plain
+// sort of the same shares, with the listed channels filling part of a round, none, and all of it.
+TEST(CsaCompressor, RoundingCheckRoundsForRhoPickTheLargestShares) {
+  using Ops = td::cpu::backend_ops_compressor<td::cpu::Isa::scalar>;
+  constexpr int B = Ops::kRhoBatch, HD = 128;
+  std::vector<float> pooled(HD), z(HD), bound(HD), bound_r(HD);
+  tdtest::Rng rng(404);
+  for (int d = 0; d < HD; ++d) {
+    pooled[std::size_t(d)] = rng.uniform(-2.0f, 2.0f);
+    z[std::size_t(d)] = pooled[std::size_t(d)] * 0x1p-30f;
+    bound[std::size_t(d)] = rng.uniform(0.5f, 1.0f) * 1e-6f;
+    bound_r[std::size_t(d)] = bound[std::size_t(d)] * 0.25f;
+  }
+  for (int d : {3, 9, 40, 41}) bound[std::size_t(d)] = bound_r[std::size_t(d)] = 0.0f;  // repaired
+  pooled[7] = z[7] = 0.0f;                                                              // no share
+  pooled[11] = std::numeric_limits<float>::quiet_NaN();                                 // no share
+  pooled[20] = pooled[21] = 1.5f, z[20] = z[21] = 0.0f;  // a tie: 20 first
+  bound[20] = bound[21] = bound_r[20] = bound_r[21] = 0.75e-6f;
+  td::kernels::detail::CompressorWorkspace ws{};
+  ws.pooled = pooled.data(), ws.z = z.data(), ws.bound = bound.data(), ws.bound_r = bound_r.data();
+  const auto expected = [&](const std::vector<int>& ch) {
+    std::vector<int> e;
+    for (int c : ch)
+      if ((bound[std::size_t(c)] != 0.0f || bound_r[std::size_t(c)] != 0.0f) &&
+          std::find(e.begin(), e.end(), c) == e.end() && int(e.size()) < B)
+        e.push_back(c);
+    std::vector<std::pair<double, int>> rest;
+    for (int d = 0; d < HD; ++d) {
+      const double p = (double(pooled[std::size_t(d)]) + double(z[std::size_t(d)])) *
+                       double(bound_r[std::size_t(d)]);
+      if (p * p > 0.0 && std::find(e.begin(), e.end(), d) == e.end()) rest.push_back({-p * p, d});
+    }
+    std::sort(rest.begin(), rest.end());
+    for (std::size_t i = 0; i < rest.size() && int(e.size()) < B; ++i) e.push_back(rest[i].second);
+    return e;
+  };
+  std::vector<int> all(HD);
+  for (int d = 0; d < HD; ++d) all[std::size_t(d)] = d;
+  const std::vector<std::vector<int>> lists = {
+      {}, {5, 3, 5, 60}, {21, 9, 20}, std::vector<int>(all.begin() + 50, all.begin() + 50 + B)};
+  for (const auto& ch : lists) {
+    int next[B];
+    const int m = Ops::next_channels(ws, HD, ch.data(), int(ch.size()), next);
+    EXPECT_EQ(std::vector<int>(next, next + m), expected(ch)) << "listed " << ch.size();
+  }
+  // Everything repaired or without a share: no channel left (the check then repairs every one).
+  std::fill(bound_r.begin(), bound_r.end(), 0.0f);
+  std::fill(bound.begin(), bound.end(), 0.0f);
+  int next[B];
+  EXPECT_EQ(Ops::next_channels(ws, HD, nullptr, 0, next), 0);
+}
 
 // CompressorWeights::row_norms (the opt-in rounding check) is validated before anything is
 // written: extent 2·OUT_DIM, every value >= 0 (NaN and negative rejected, naming the element);
