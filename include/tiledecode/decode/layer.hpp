@@ -109,9 +109,9 @@ struct LayerWeightsStorage {
   // wq_a | wkv transposed, filled by pack() on every CPU: a second copy ((Q_LORA + 512)·D BF16,
   // flash 12.6 MB per layer), not counted in bytes(). Two readers:
   //   * the q-latent's and the kv rounding checks' repairs (one contiguous row per dot instead of
-  //     a cache line per k of a column; on an Intel Xeon with AVX-512, T = 8: the kv check +9.7 %
-  //     from wkv's columns, +0.2 % from the rows, the q-latent check 2.8 % cheaper; see
-  //     docs/compressors.md, "kv check cost");
+  //     a cache line per k of a column; on an Intel Xeon with AVX-512, T = 8: the kv check
+  //     +10-12 % from wkv's columns, +2.3-2.9 % from the rows, the q-latent check 3-6 % cheaper
+  //     from the rows; see docs/compressors.md, "kv check cost");
   //   * the avx512 tier's vdpbf16ps q/kv projection where the automatic BF16 choice resolves to
   //     dpbf16 (kernels::qkv_bf16_rows_useful: AMD with AVX-512). A step pinned to Bf16Dot::fma
   //     (every tier's bits) or Bf16Dot::exact (double sums from wq_a | wkv themselves) runs its

@@ -87,8 +87,8 @@ struct QkvWeights {
   // Given it, the CPU backend's kv rounding check recomputes as golden does the kv dots whose
   // BF16 rounding (after the RMS norm and the RoPE) the default FP32 dots cannot decide, and the
   // token's every dot where golden's RMS factor is needed, from bf16_rows where present, else from
-  // wkv's columns (a cache line per k: on an Intel Xeon, T = 8, +9.7 % for the call against
-  // +0.2 % from the rows; decode/layer.hpp's pack makes both).
+  // wkv's columns (a cache line per k: on an Intel Xeon, T = 8, +10-12 % for the call against
+  // +2.3-2.9 % from the rows; decode/layer.hpp's pack makes both).
   ConstView<float, 1> wkv_norm = {};  // (HEAD_DIM)
 };
 

@@ -478,11 +478,11 @@ struct backend_ops_qkv_projection {
   // golden's r in golden's order (Σ d² ascending, 1 / sqrt(Σ / hd + eps)), so its kv is golden's.
   // Measured (1024 tokens, flash statistics, both dot orders): 98 % of tokens list a value, 4.2
   // dots repaired a token (a RoPE pair lists both), 13 tokens (1.3 %) need every dot. The dots
-  // are read from bf16_rows where present (~1 µs each), else from wkv's columns (a cache line per
-  // k, ~15-20 µs each): on an Intel Xeon with AVX-512 (flash, T = 8, one thread) the check costs
-  // +9.7 % of the call from the columns and +0.2 % from the rows, which also save the q-latent
-  // check's repairs 2.8 % (docs/compressors.md, "kv check cost"); LayerWeightsStorage::pack makes
-  // the rows.
+  // are read from bf16_rows where present (a contiguous row each; bf16_pair_dots_exact takes up to
+  // 8 in the time of one, 9 µs on an Intel Xeon), else from wkv's columns (a cache line per k):
+  // there (flash, T = 8) the check costs +2.3 % (one thread) / +2.9 % (two) of the call from the
+  // rows, +10-12 % from the columns (docs/compressors.md, "kv check cost");
+  // LayerWeightsStorage::pack makes the rows.
   static constexpr int kMaxKvRepairs = 32;  // dot repairs a token; past that, every dot
   static constexpr float kKvKappaR = 4.0f;
   static void check_kv(const kernels::QkvArgs& a, index_t t, const float* kvr, double* d,
