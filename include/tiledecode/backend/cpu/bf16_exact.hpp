@@ -180,18 +180,18 @@ inline constexpr int kFewTok = 4;           // tokens per pass of the few-token 
 inline constexpr index_t kFewBlockK = 512;  // k per block of the tokens' x as double (16 KB)
 inline constexpr index_t kFewAhead = 256;   // their prefetch distance in the rows, in k
 
-// c[k] = the 8 BF16 w[r·ld_w + k], r < 8, in 16-bit lane r (r >= nr or k >= n: +0), k < 8:
+// c[j] = the 8 BF16 rows[r][k + j], r < 8, in 16-bit lane r (r >= nr or j >= n: +0), j < 8:
 // 16-bit interleaves of row pairs, 32-bit of pairs of pairs, 64-bit of the halves, 24 unpacks.
 // SSE2, so it compiles into either tier's kernel (always inlined).
-__attribute__((always_inline)) inline void transpose8x8_bf16(__m128i c[8], const bf16* w,
-                                                             index_t ld_w, int nr, index_t n) {
+__attribute__((always_inline)) inline void transpose8x8_bf16(__m128i c[8], const bf16* const* rows,
+                                                             index_t k, int nr, index_t n) {
   __m128i a[8], b[8], h[8];
   for (int r = 0; r < 8; ++r) {
     a[r] = _mm_setzero_si128();
     if (r < nr && n >= 8)
-      a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * ld_w));
+      a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + k));
     else if (r < nr)
-      __builtin_memcpy(&a[r], w + r * ld_w, std::size_t(n) * sizeof(bf16));
+      __builtin_memcpy(&a[r], rows[r] + k, std::size_t(n) * sizeof(bf16));
   }
   for (int i = 0; i < 4; ++i) {  // rows 2i, 2i + 1: k 0-3, then k 4-7
     b[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
@@ -256,16 +256,16 @@ __attribute__((always_inline)) inline void rows_driver(float* out, index_t ld_ou
   }
 }
 
-// out[t·ld_out + r] for t < NT, r < nr <= Tier::kFewRows: the few-token arrangement (above), per
-// block of kFewBlockK k the tokens' x widened to doubles (Tier::widen_x), per 8 k and group of 8
-// rows the block transposed (transpose8x8_bf16) and Tier::few_step<NT>(acc, v, c[j], xd, k + j)
-// per k: acc[t][v] += the group's 8 weights at k, widened, times x[t][k], for t < NT. Tier
-// provides kFewVecs (groups per tile), FewAcc, few_zero(acc), few_step and few_store(a, acc)
-// (the group's 8 sums into a[0..8)). Always inlined into the tier's Tier::few.
-template <class Tier, int NT>
-__attribute__((always_inline)) inline void few_tile(float* out, index_t ld_out, const bf16* x,
-                                                    index_t ld_x, const bf16* w, index_t ld_w,
-                                                    int nr, index_t d) {
+// put(t, r, Σ_k x[t·ld_x + k] · rows[r][k]) for t < NT, r < nr <= Tier::kFewRows: the few-token
+// arrangement (above), per block of kFewBlockK k the tokens' x widened to doubles
+// (Tier::widen_x), per 8 k and group of 8 rows the block transposed (transpose8x8_bf16) and
+// Tier::few_step<NT>(acc, v, c[j], xd, k + j) per k: acc[t][v] += the group's 8 weights at k,
+// widened, times x[t][k], for t < NT. Tier provides kFewVecs (groups per tile), FewAcc,
+// few_zero(acc), few_step and few_store(a, acc) (the group's 8 sums into a[0..8)). Always inlined
+// into the tier's entry points.
+template <class Tier, int NT, class Put>
+__attribute__((always_inline)) inline void few_tile(const bf16* const* rows, int nr, const bf16* x,
+                                                    index_t ld_x, index_t d, Put&& put) {
   constexpr int NV = Tier::kFewVecs;
   alignas(64) double xd[NT * kFewBlockK];
   typename Tier::FewAcc acc[NT][NV];
@@ -278,13 +278,12 @@ __attribute__((always_inline)) inline void few_tile(float* out, index_t ld_out, 
       const index_t n = std::min<index_t>(8, kk - k);
       if (k % 32 == 0 && k0 + k + kFewAhead < d)
         for (int r = 0; r < nr; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(w + r * ld_w + k0 + k + kFewAhead),
-                       _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(rows[r] + k0 + k + kFewAhead), _MM_HINT_T0);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
         if (8 * v >= nr) break;
         __m128i c[8];
-        transpose8x8_bf16(c, w + 8 * v * ld_w + k0 + k, ld_w, nr - 8 * v, n);
+        transpose8x8_bf16(c, rows + 8 * v, k0 + k, nr - 8 * v, n);
         if (n == 8) {
 #pragma GCC unroll 8
           for (int j = 0; j < 8; ++j) Tier::template few_step<NT>(acc, v, c[j], xd, k + j);
@@ -298,7 +297,7 @@ __attribute__((always_inline)) inline void few_tile(float* out, index_t ld_out, 
   for (int t = 0; t < NT; ++t)
     for (int v = 0; v < NV; ++v) {
       Tier::few_store(a, acc[t][v]);
-      for (int i = 0; i < std::min(8, nr - 8 * v); ++i) out[t * ld_out + 8 * v + i] = float(a[i]);
+      for (int i = 0; i < std::min(8, nr - 8 * v); ++i) put(t, 8 * v + i, a[i]);
     }
 }
 
@@ -445,7 +444,14 @@ struct Tier {
   template <int NT>
   TILEDECODE_TARGET_AVX512 static void few(float* out, index_t ld_out, const bf16* x, index_t ld_x,
                                            const bf16* w, index_t ld_w, int nr, index_t d) {
-    few_tile<Tier, NT>(out, ld_out, x, ld_x, w, ld_w, nr, d);
+    const bf16* rows[kFewRows];
+    for (int r = 0; r < nr; ++r) rows[r] = w + r * ld_w;
+    few_tile<Tier, NT>(rows, nr, x, ld_x, d,
+                       [&](int t, int r, double v) { out[t * ld_out + r] = float(v); });
+  }
+  TILEDECODE_TARGET_AVX512 static void gather(const bf16* const* rows, int nr, const bf16* x,
+                                              index_t d, double* s) {
+    few_tile<Tier, 1>(rows, nr, x, 0, d, [&](int, int r, double v) { s[r] = v; });
   }
 
   // 8×8 transposes of the tokens' widened rows.
@@ -628,9 +634,17 @@ struct Tier {
   template <int NT>
   TILEDECODE_TARGET_AVX2 static void few(float* out, index_t ld_out, const bf16* x, index_t ld_x,
                                          const bf16* w, index_t ld_w, int nr, index_t d) {
-    few_tile<Tier, std::min(NT, 2)>(out, ld_out, x, ld_x, w, ld_w, nr, d);
+    const bf16* rows[kFewRows];
+    for (int r = 0; r < nr; ++r) rows[r] = w + r * ld_w;
+    few_tile<Tier, std::min(NT, 2)>(
+        rows, nr, x, ld_x, d, [&](int t, int r, double v) { out[t * ld_out + r] = float(v); });
     if constexpr (NT > 2)
-      few_tile<Tier, NT - 2>(out + 2 * ld_out, ld_out, x + 2 * ld_x, ld_x, w, ld_w, nr, d);
+      few_tile<Tier, NT - 2>(rows, nr, x + 2 * ld_x, ld_x, d,
+                             [&](int t, int r, double v) { out[(t + 2) * ld_out + r] = float(v); });
+  }
+  TILEDECODE_TARGET_AVX2 static void gather(const bf16* const* rows, int nr, const bf16* x,
+                                            index_t d, double* s) {
+    few_tile<Tier, 1>(rows, nr, x, 0, d, [&](int, int r, double v) { s[r] = v; });
   }
 
   // 4×4 transposes of the tokens' widened rows, two per 8 tokens.
@@ -817,6 +831,36 @@ inline void bf16_pair_dots_exact(Isa isa, int n, const bf16* const* x, const bf1
 #endif
   (void)isa;
   bf16_pair_dots_exact_scalar(n, x, w, d, s, ws);
+}
+
+// s[j] = Σ_{k<d} x[k] · rows[j][k] for j < n (any n >= 0): bf16_dot_exact's sum of one x with
+// each of n weight rows (the q-latent's and the kv rounding checks' repairs from the transposed
+// rows: one token's listed dots, or all of them), on the few-token kernel with one token (the
+// lanes on rows, x widened once), the scalar tier on the pairs' body. Measured on an Intel Xeon,
+// rows of 4096 in cache, against bf16_pair_dots_exact (which widens x per pair and transposes
+// the products): avx512 6.4 / 12.9 / 28 µs for 8 / 16 / 32 rows against 9.1 / 20 / 40, avx2 6.5
+// / 14 / 27 against 24 / 35 / 69.
+inline void bf16_rows_gather_dots_exact(Isa isa, int n, const bf16* x, const bf16* const* rows,
+                                        index_t d, double* s) {
+#if TILEDECODE_X86
+  if (isa == Isa::avx512 || has_avx2(isa)) {
+    const int R = isa == Isa::avx512 ? avx512::exact_detail::Tier::kFewRows
+                                     : avx2::exact_detail::Tier::kFewRows;
+    for (int j = 0; j < n; j += R) {
+      const int m = std::min(R, n - j);
+      if (isa == Isa::avx512)
+        avx512::exact_detail::Tier::gather(rows + j, m, x, d, s + j);
+      else
+        avx2::exact_detail::Tier::gather(rows + j, m, x, d, s + j);
+    }
+    return;
+  }
+#endif
+  (void)isa;
+  const bf16* xs[kPairDots];
+  std::fill_n(xs, kPairDots, x);
+  for (int j = 0; j < n; j += kPairDots)
+    bf16_pair_dots_exact_scalar(std::min(kPairDots, n - j), xs, rows + j, d, s + j);
 }
 
 inline void bf16_cols_dot_exact(Isa isa, float* out, index_t ld_out, const bf16* x, index_t ld_x,

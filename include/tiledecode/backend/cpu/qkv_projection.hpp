@@ -478,11 +478,11 @@ struct backend_ops_qkv_projection {
   // golden's r in golden's order (Σ d² ascending, 1 / sqrt(Σ / hd + eps)), so its kv is golden's.
   // Measured (1024 tokens, flash statistics, both dot orders): 98 % of tokens list a value, 4.2
   // dots repaired a token (a RoPE pair lists both), 13 tokens (1.3 %) need every dot. The dots
-  // are read from bf16_rows where present (a contiguous row each; bf16_pair_dots_exact takes up to
-  // 8 in the time of one, 9 µs on an Intel Xeon), else from wkv's columns (a cache line per k):
-  // there (flash, T = 8) the check costs +2.3 % (one thread) / +2.9 % (two) of the call from the
-  // rows, +10-12 % from the columns (docs/compressors.md, "kv check cost");
-  // LayerWeightsStorage::pack makes the rows.
+  // are read from bf16_rows where present (a contiguous row each, all of a token's in one
+  // bf16_rows_gather_dots_exact), else from wkv's columns (a cache line per k): on an Intel Xeon
+  // (flash, T = 8) the check costs +1.9 % (one thread) / +2.6 % (two) of the call from the rows,
+  // +10-12 % from the columns (docs/compressors.md, "kv check cost"); LayerWeightsStorage::pack
+  // makes the rows.
   static constexpr int kMaxKvRepairs = 32;  // dot repairs a token; past that, every dot
   static constexpr float kKvKappaR = 4.0f;
   static void check_kv(const kernels::QkvArgs& a, index_t t, const float* kvr, double* d,
@@ -520,11 +520,21 @@ struct backend_ops_qkv_projection {
     for (index_t n = 0; n < HD; ++n) ss += d[n] * d[n];
     return 1.0 / std::sqrt(ss / double(HD) + double(a.cfg->rms_eps));
   }
-  // d[ch[i]] = golden's unrounded dot x_n[t] · wkv[:, ch[i]].
+  // d[ch[i]] = golden's unrounded dot x_n[t] · wkv[:, ch[i]]: from the transposed rows, one
+  // gather (bf16_rows_gather_dots_exact); from the columns, kPairDots at a time.
   static void kv_repair(const kernels::QkvArgs& a, index_t t, double* d, const int* ch, int n) {
     const index_t D = a.cfg->hidden;
     const bf16* x = a.x_n.data() + t * a.x_n.stride(0);
     const QkvBf16Rows* rows = a.w.bf16_rows;
+    if (rows) {
+      const bf16* rp[kMaxHeadDim];
+      double s[kMaxHeadDim];
+      for (int i = 0; i < n; ++i)
+        rp[i] = rows->data.data() + std::size_t(rows->q_rows + ch[i]) * std::size_t(D);
+      bf16_rows_gather_dots_exact(I, n, x, rp, D, s);
+      for (int i = 0; i < n; ++i) d[ch[i]] = s[i];
+      return;
+    }
     const bf16* xp[kPairDots];
     const bf16* wp[kPairDots];
     double s[kPairDots];
@@ -532,10 +542,9 @@ struct backend_ops_qkv_projection {
       const int m = std::min(kPairDots, n - i);
       for (int j = 0; j < m; ++j) {
         xp[j] = x;
-        wp[j] = rows ? rows->data.data() + std::size_t(rows->q_rows + ch[i + j]) * std::size_t(D)
-                     : &a.w.wkv(0, ch[i + j]);
+        wp[j] = &a.w.wkv(0, ch[i + j]);
       }
-      bf16_pair_dots_exact(I, m, xp, wp, D, s, rows ? 1 : a.w.wkv.stride(0));
+      bf16_pair_dots_exact(I, m, xp, wp, D, s, a.w.wkv.stride(0));
       for (int j = 0; j < m; ++j) d[ch[i + j]] = s[j];
     }
   }

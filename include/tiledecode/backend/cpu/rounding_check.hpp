@@ -43,7 +43,8 @@ struct Repairs {  // (row t of the list, index r in it) of the values to recompu
 
 // Recomputes the listed values, kPairDots at a time: store(t, r, s) takes the exact dot s of
 // x_of(t, r) · w_of(t, r) (bf16_pair_dots_exact: golden's ascending-k double sum, unrounded; the
-// weights ws apart: 1 a row, the row pitch a column).
+// weights ws apart: 1 a row, the row pitch a column). Weight rows of one x go to
+// bf16_rows_gather_dots_exact instead (the same sums, x widened once).
 template <class XOf, class WOf, class Store>
 void repair(Isa isa, const Repairs& rep, index_t d, XOf x_of, WOf w_of, Store store,
             index_t ws = 1) {
@@ -56,7 +57,12 @@ void repair(Isa isa, const Repairs& rep, index_t d, XOf x_of, WOf w_of, Store st
       xp[j] = x_of(rep.t[i + j], rep.r[i + j]);
       wp[j] = w_of(rep.t[i + j], rep.r[i + j]);
     }
-    bf16_pair_dots_exact(isa, n, xp, wp, d, s, ws);
+    bool one_x = ws == 1;
+    for (int j = 1; j < n && one_x; ++j) one_x = xp[j] == xp[0];
+    if (one_x)
+      bf16_rows_gather_dots_exact(isa, n, xp[0], wp, d, s);
+    else
+      bf16_pair_dots_exact(isa, n, xp, wp, d, s, ws);
     for (int j = 0; j < n; ++j) store(rep.t[i + j], rep.r[i + j], s[j]);
   }
 }
