@@ -32,7 +32,9 @@
 //   few   the rows arrangement's last n_tok % 8 tokens, up to 4 (all of them below 5 tokens: the
 //         rounding checks' repairs): the lanes on 8 rows, each 8 × 8 block of BF16 transposed in
 //         registers (24 unpacks) and widened, a broadcast multiply-add per token and k. AVX-512:
-//         32 rows per tile, AVX2: 16 (two vectors per 8 rows, two tokens at a time).
+//         32 rows per tile, AVX2: 16 (two vectors per 8 rows, two tokens at a time). The rows
+//         by pointer, so bf16_rows_gather_dots_exact runs it too (one token against any rows:
+//         the q-latent's and the kv checks' repairs).
 //   cols  w[k·ld_w + n] (a weight column per output; the q/kv wq_a / wkv): the lanes on 8 (4)
 //         columns, each token's x[k] broadcast. AVX-512: 3 column vectors × 8 tokens per tile,
 //         AVX2: 3 × 4.
@@ -302,8 +304,8 @@ __attribute__((always_inline)) inline void few_tile(const bf16* const* rows, int
 }
 
 // rows_driver's results, with the last n_tok % 8 tokens, up to kFewTok of them, on the tier's
-// few-token kernel (Tier::few<NT>(out, ld_out, x, ld_x, w, ld_w, nr, d): nr <= Tier::kFewRows
-// rows, the lanes on rows): the same sums in the same order, so the same bits.
+// few-token kernel (Tier::few<NT>(out, ld_out, x, ld_x, rows, nr, d): nr <= Tier::kFewRows rows
+// by pointer, the lanes on rows): the same sums in the same order, so the same bits.
 template <class Tier>
 __attribute__((always_inline)) inline void rows_dispatch(float* out, index_t ld_out, const bf16* x,
                                                          index_t ld_x, index_t n_tok, const bf16* w,
@@ -314,9 +316,12 @@ __attribute__((always_inline)) inline void rows_dispatch(float* out, index_t ld_
   float* fo = out + panels * ld_out;
   const bf16* fx = x + panels * ld_x;
   with_static_count<kFewTok>(int(few), [&]<int NT>() {
-    for (index_t r0 = 0; r0 < n_rows; r0 += Tier::kFewRows)
-      Tier::template few<NT>(fo + r0, ld_out, fx, ld_x, w + r0 * ld_w, ld_w,
-                             int(std::min<index_t>(Tier::kFewRows, n_rows - r0)), d);
+    const bf16* rows[Tier::kFewRows];
+    for (index_t r0 = 0; r0 < n_rows; r0 += Tier::kFewRows) {
+      const int nr = int(std::min<index_t>(Tier::kFewRows, n_rows - r0));
+      for (int r = 0; r < nr; ++r) rows[r] = w + (r0 + r) * ld_w;
+      Tier::template few<NT>(fo + r0, ld_out, fx, ld_x, rows, nr, d);
+    }
   });
 }
 
@@ -443,9 +448,7 @@ struct Tier {
   }
   template <int NT>
   TILEDECODE_TARGET_AVX512 static void few(float* out, index_t ld_out, const bf16* x, index_t ld_x,
-                                           const bf16* w, index_t ld_w, int nr, index_t d) {
-    const bf16* rows[kFewRows];
-    for (int r = 0; r < nr; ++r) rows[r] = w + r * ld_w;
+                                           const bf16* const* rows, int nr, index_t d) {
     few_tile<Tier, NT>(rows, nr, x, ld_x, d,
                        [&](int t, int r, double v) { out[t * ld_out + r] = float(v); });
   }
@@ -633,9 +636,7 @@ struct Tier {
   }
   template <int NT>
   TILEDECODE_TARGET_AVX2 static void few(float* out, index_t ld_out, const bf16* x, index_t ld_x,
-                                         const bf16* w, index_t ld_w, int nr, index_t d) {
-    const bf16* rows[kFewRows];
-    for (int r = 0; r < nr; ++r) rows[r] = w + r * ld_w;
+                                         const bf16* const* rows, int nr, index_t d) {
     few_tile<Tier, std::min(NT, 2)>(
         rows, nr, x, ld_x, d, [&](int t, int r, double v) { out[t * ld_out + r] = float(v); });
     if constexpr (NT > 2)
