@@ -350,37 +350,49 @@ void check_case(const Options& o, int expected_emitted) {
 
 // The rounding check's rounds for ρ pick their channels (backend_ops_compressor::next_channels):
 // the listed channels not yet repaired first, in their order and once each (a repaired channel's
-// bounds are 0), then the largest shares (p_d · bound_r[d])², ties to the lower channel, skipping
-// channels with no share (repaired, p = 0, NaN), up to kRhoBatch in all; checked against a plain
-// sort of the same shares, with the listed channels filling part of a round, none, and all of it.
+// bounds are 0: both parts, kv's and the scores', of both kinds), then the largest shares (p_d ·
+// (bound_r[d] + bound_r[HD + d]))², ties to the lower channel, skipping channels with no share
+// (repaired, p = 0, NaN), up to kRhoBatch in all; checked against a plain sort of the same
+// shares, with the listed channels filling part of a round, none, and all of it, and channels
+// with one part repaired (the other still counts).
 TEST(CsaCompressor, RoundingCheckRoundsForRhoPickTheLargestShares) {
   using Ops = td::cpu::backend_ops_compressor<td::cpu::Isa::scalar>;
   constexpr int B = Ops::kRhoBatch, HD = 128;
-  std::vector<float> pooled(HD), z(HD), bound(HD), bound_r(HD);
+  std::vector<float> pooled(HD), z(HD), bound(2 * HD), bound_r(2 * HD);
   tdtest::Rng rng(404);
+  const auto at = [](int d) { return std::size_t(d); };
   for (int d = 0; d < HD; ++d) {
-    pooled[std::size_t(d)] = rng.uniform(-2.0f, 2.0f);
-    z[std::size_t(d)] = pooled[std::size_t(d)] * 0x1p-30f;
-    bound[std::size_t(d)] = rng.uniform(0.5f, 1.0f) * 1e-6f;
-    bound_r[std::size_t(d)] = bound[std::size_t(d)] * 0.25f;
+    pooled[at(d)] = rng.uniform(-2.0f, 2.0f);
+    z[at(d)] = pooled[at(d)] * 0x1p-30f;
+    for (int h : {0, HD}) {
+      bound[at(h + d)] = rng.uniform(0.5f, 1.0f) * 1e-6f;
+      bound_r[at(h + d)] = bound[at(h + d)] * 0.25f;
+    }
   }
-  for (int d : {3, 9, 40, 41}) bound[std::size_t(d)] = bound_r[std::size_t(d)] = 0.0f;  // repaired
-  pooled[7] = z[7] = 0.0f;                                                              // no share
-  pooled[11] = std::numeric_limits<float>::quiet_NaN();                                 // no share
+  for (int d : {3, 9, 40, 41})  // repaired
+    for (int h : {0, HD}) bound[at(h + d)] = bound_r[at(h + d)] = 0.0f;
+  bound[5] = bound_r[5] = 0.0f;                          // kv repaired, the scores not
+  bound[at(HD + 60)] = bound_r[at(HD + 60)] = 0.0f;      // the scores repaired, kv not
+  pooled[7] = z[7] = 0.0f;                               // no share
+  pooled[11] = std::numeric_limits<float>::quiet_NaN();  // no share
   pooled[20] = pooled[21] = 1.5f, z[20] = z[21] = 0.0f;  // a tie: 20 first
-  bound[20] = bound[21] = bound_r[20] = bound_r[21] = 0.75e-6f;
+  for (int d : {20, 21})
+    for (int h : {0, HD}) bound[at(h + d)] = bound_r[at(h + d)] = 0.375e-6f;
   td::kernels::detail::CompressorWorkspace ws{};
   ws.pooled = pooled.data(), ws.z = z.data(), ws.bound = bound.data(), ws.bound_r = bound_r.data();
+  const auto left = [&](int c) {
+    return bound[at(c)] != 0.0f || bound[at(HD + c)] != 0.0f || bound_r[at(c)] != 0.0f ||
+           bound_r[at(HD + c)] != 0.0f;
+  };
   const auto expected = [&](const std::vector<int>& ch) {
     std::vector<int> e;
     for (int c : ch)
-      if ((bound[std::size_t(c)] != 0.0f || bound_r[std::size_t(c)] != 0.0f) &&
-          std::find(e.begin(), e.end(), c) == e.end() && int(e.size()) < B)
+      if (left(c) && std::find(e.begin(), e.end(), c) == e.end() && int(e.size()) < B)
         e.push_back(c);
     std::vector<std::pair<double, int>> rest;
     for (int d = 0; d < HD; ++d) {
-      const double p = (double(pooled[std::size_t(d)]) + double(z[std::size_t(d)])) *
-                       double(bound_r[std::size_t(d)]);
+      const double p = (double(pooled[at(d)]) + double(z[at(d)])) *
+                       (double(bound_r[at(d)]) + double(bound_r[at(HD + d)]));
       if (p * p > 0.0 && std::find(e.begin(), e.end(), d) == e.end()) rest.push_back({-p * p, d});
     }
     std::sort(rest.begin(), rest.end());

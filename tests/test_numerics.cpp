@@ -296,24 +296,30 @@ TEST(ExactDots, PairDotsAreTheSequentialDoubleSumOnEveryTier) {
   EXPECT_EQ(cases, 45);
 }
 
-// The repairs of one token's values (bf16_rows_gather_dots_exact: one x, n weight rows by
-// pointer, on the few-token kernel with one token): each bf16_dot_exact's sequential double sum,
-// bit for bit, on every tier this CPU has: n around the 8-row groups and the 32 / 16-row tiles
-// (0, 1, 7, 8, 9, 16, 17, 32, 33, 70), d around the 8-k steps and 512-k blocks (1, 7, 8, 9, 63,
-// 513, 4096), the rows in a shuffled order with repeats, the planted order-sensitive products in
-// every other case, zeros, subnormals, ±Inf and NaN in the others.
+// The repairs (bf16_rows_gather_dots_exact: nt token rows and n weight rows by pointer, on the
+// few-token kernel, kFewTok tokens a pass): each bf16_dot_exact's sequential double sum, bit for
+// bit, on every tier this CPU has: nt from 1 to 6 (one pass and a second; the avx2 tier's pairs
+// of tokens and its odd one), n around the 8-row groups and the 32 / 16-row tiles (0, 1, 7, 8, 9,
+// 16, 17, 32, 33, 70), d around the 8-k steps and 512-k blocks (1, 7, 8, 9, 63, 513, 4096), the
+// rows and the tokens in shuffled orders with repeats, the planted order-sensitive products in
+// every other case, zeros, subnormals, ±Inf and NaN in the others; the one-x form on the same
+// cases against the first token's sums.
 TEST(ExactDots, GatheredRowsAreTheSequentialDoubleSumOnEveryTier) {
   Mix m{97};
   int cases = 0;
   for (int n : {0, 1, 7, 8, 9, 16, 17, 32, 33, 70})
     for (index_t d : {1, 7, 8, 9, 63, 513, 4096}) {
-      const index_t ld = d + 3, R = 40;
-      std::vector<bf16> x(static_cast<std::size_t>(d)), w(static_cast<std::size_t>(R * ld));
+      const index_t ld = d + 3, R = 40, X = 5;
+      const int nt = 1 + cases % 6;
+      std::vector<bf16> x(static_cast<std::size_t>(X * d)), w(static_cast<std::size_t>(R * ld));
       fill_bf16(x, m.next(), -2.0f, 2.0f);
       fill_bf16(w, m.next(), -0.1f, 0.1f);
       if (d >= 3 && cases % 2 == 1) {
         const float big = 1073741824.0f;  // 2^30: products 1, 2^60, -2^60 (sequential sum 0)
-        x[0] = bf16(1.0f), x[std::size_t(d / 2)] = x[std::size_t(d - 1)] = bf16(big);
+        for (index_t i = 0; i < X; ++i) {
+          bf16* xi = x.data() + i * d;
+          xi[0] = bf16(1.0f), xi[d / 2] = xi[d - 1] = bf16(big);
+        }
         for (index_t r = 0; r < R; ++r) {
           bf16* wr = w.data() + r * ld;
           wr[0] = bf16(1.0f), wr[d / 2] = bf16(big), wr[d - 1] = bf16(-big);
@@ -325,20 +331,31 @@ TEST(ExactDots, GatheredRowsAreTheSequentialDoubleSumOnEveryTier) {
           w[std::size_t(m.next() % w.size())].bits = bits[(i + 3) % 6];
         }
       }
-      std::vector<const bf16*> rows(static_cast<std::size_t>(n));
+      std::vector<const bf16*> rows(static_cast<std::size_t>(n)), xs(static_cast<std::size_t>(nt));
       for (int j = 0; j < n; ++j) rows[std::size_t(j)] = w.data() + index_t(m.next() % R) * ld;
+      for (int t = 0; t < nt; ++t) xs[std::size_t(t)] = x.data() + index_t(m.next() % X) * d;
+      const index_t ld_s = n + 2;
       for (Isa isa : tiers()) {
-        std::vector<double> s(static_cast<std::size_t>(n) + 1, -1.0);
-        td::cpu::bf16_rows_gather_dots_exact(isa, n, x.data(), rows.data(), d, s.data());
-        long bad = 0;
-        for (int j = 0; j < n; ++j) {
-          const double e = td::cpu::bf16_dot_exact(x.data(), rows[std::size_t(j)], d);
-          const double a = s[std::size_t(j)];
-          bad += std::isnan(e) ? !std::isnan(a)
-                               : std::bit_cast<std::uint64_t>(a) != std::bit_cast<std::uint64_t>(e);
+        std::vector<double> s(static_cast<std::size_t>(nt * ld_s), -1.0),
+            s1(static_cast<std::size_t>(n) + 1, -1.0);
+        td::cpu::bf16_rows_gather_dots_exact(isa, nt, xs.data(), n, rows.data(), d, s.data(), ld_s);
+        td::cpu::bf16_rows_gather_dots_exact(isa, n, xs[0], rows.data(), d, s1.data());
+        long bad = 0, past = 0;
+        for (int t = 0; t < nt; ++t) {
+          for (int j = 0; j < n; ++j) {
+            const double e = td::cpu::bf16_dot_exact(xs[std::size_t(t)], rows[std::size_t(j)], d);
+            const auto same = [&](double a) {
+              return std::isnan(e)
+                         ? std::isnan(a)
+                         : std::bit_cast<std::uint64_t>(a) == std::bit_cast<std::uint64_t>(e);
+            };
+            bad += !same(s[std::size_t(t * ld_s + j)]) + (t == 0 && !same(s1[std::size_t(j)]));
+          }
+          past += s[std::size_t(t * ld_s + n)] != -1.0 || s[std::size_t(t * ld_s + n + 1)] != -1.0;
         }
-        EXPECT_EQ(bad, 0) << name(isa) << " n " << n << " d " << d;
-        EXPECT_EQ(s[std::size_t(n)], -1.0) << "past n: written";
+        EXPECT_EQ(bad, 0) << name(isa) << " nt " << nt << " n " << n << " d " << d;
+        EXPECT_EQ(past, 0) << "past n: written";
+        EXPECT_EQ(s1[std::size_t(n)], -1.0) << "one x, past n: written";
       }
       ++cases;
     }

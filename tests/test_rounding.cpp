@@ -1221,8 +1221,15 @@ struct CmpCheckCounts {
   long state = 0;  // written state values that differ from golden's
 };
 
-void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t seed,
-                           const char* name) {
+// dominant >= 0: channel `dominant` decides the RMS factor r. Its wkv rows are 64 times the others
+// (each half's), and the rows the step does not write hold +0 kv and a score of -1e4 there (a
+// softmax weight of 0), so its pooled value is the written candidates' alone and about 0.9 of
+// Σ pooled²: the FP32 error of its two dots moves r, hence every value of the row, by their
+// relative error. The roundings that r alone flips (the unchecked path's values of that channel
+// in golden's pool otherwise, golden's pooling) are counted and must be there; golden's r needs
+// that channel, which only the repairs for ρ (the rounds by share, or every channel) give it.
+void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t seed, const char* name,
+                           index_t dominant = -1) {
   // The sanitizer pass runs the check on B / 16 windows (golden's projections take seconds there);
   // too few for the unchecked paths to show a flip, so only the zeros are asserted.
   const bool lean = std::getenv("TILEDECODE_SANITIZE_LEAN") != nullptr;
@@ -1257,6 +1264,13 @@ void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t see
   }
   td::Tensor<bf16, 2> x_n({B * S, cs.D});
   cs.fill(rng, &x_n);
+  std::vector<index_t> dom;  // the dominant channel's columns of a state row's kv (each half)
+  if (dominant >= 0) {
+    for (index_t h = 0; h < cs.OUT; h += HD) dom.push_back(h + dominant);
+    for (index_t n : dom)
+      for (index_t k = 0; k < cs.D; ++k)
+        cs.wkv.view()(n, k) = bf16(cs.wkv.view()(n, k).to_float() * 64.0f);
+  }
   const td::ConstView<bf16, 2> hadamard = cs.hadamard;
   const td::Tensor<float, 1> norms = tk::compressor_row_norms(cs.wkv.view(), cs.wgate.view());
   td::Tensor<float, 1> inf_norms({2 * cs.OUT});
@@ -1267,6 +1281,8 @@ void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t see
   for (index_t r = 0; r < state0.extent(0); ++r)
     for (index_t n = 0; n < cs.SW; ++n)
       state0.view()(r, n) = rng.normal() * (n < cs.OUT ? 1.57f : 2.48f);
+  for (index_t r = 0; r < state0.extent(0); ++r)
+    for (index_t n : dom) state0.view()(r, n) = 0.0f, state0.view()(r, cs.OUT + n) = -1e4f;
   const tk::CompressorMetadata meta{td::paged::StepShape{int(B), int(S), -1}, pos.view(),
                                     state_slots.view(), cmp_slots.view(), table.view()};
   const td::RopeTableView rv = rope.view();
@@ -1296,8 +1312,40 @@ void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t see
     }
     return n;
   };
+  // Golden's pooling alone (state slot -1: nothing written) of every request's last position.
+  td::Tensor<std::int32_t, 1> last_pos({B});
+  td::Tensor<std::int64_t, 1> no_slot({B}), last_cmp({B});
+  for (index_t b = 0; b < B; ++b) {
+    last_pos.view()(b) = pos.view()((b + 1) * S - 1);
+    no_slot.view()(b) = -1;
+    last_cmp.view()(b) = b;
+  }
+  const tk::CompressorMetadata pool_only{td::paged::StepShape{int(B), 1, -1}, last_pos.view(),
+                                         no_slot.view(), last_cmp.view(), table.view()};
+  // The roundings r alone flips: golden's state pool with the dominant channel's written values
+  // from `st`, pooled by golden; the values of the other channels that differ from golden's.
+  const auto r_flips = [&](const td::Tensor<float, 2>& st) {
+    td::Tensor<float, 2> mixed = gs;
+    for (index_t t = 0; t < B * S; ++t)
+      for (index_t n : dom)
+        for (index_t h : {n, cs.OUT + n}) {
+          const index_t r = state_slots.view()(t);
+          mixed.view()(r, h) = st.view()(r, h);
+        }
+    CmpOut o(B, HD);
+    golden_cmp_step({cfg, spec, cs.weights(), hadamard, rv, inner}, mixed.view(), o,
+                    x_n.view().slice(0, 0, B), pool_only);
+    long n = 0;
+    for (index_t b = 0; b < B; ++b)
+      for (index_t i = 0; i < HD; ++i)
+        if (i != dominant)
+          n += inner
+                   ? td::round_bf16(o.kv_out.view()(b, i)) != td::round_bf16(g.kv_out.view()(b, i))
+                   : o.cmp.view()(b, i).bits != g.cmp.view()(b, i).bits;
+    return n;
+  };
   std::printf("%-28s %-14s %10s %8s %10s\n", name, "path", "rows", "INT8", "state");
-  long unchecked = 0;
+  long unchecked = 0, by_r = 0;
   td::ThreadPool pool(2);
   for (const CmpPath& path : cmp_paths()) {
     SCOPED_TRACE(path.name);
@@ -1318,6 +1366,11 @@ void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t see
                   long(inner ? B * HD : 0), long(B * S * 2 * HD));
       if (mode == 0) {
         unchecked += n.rows;
+        if (dominant >= 0) {
+          const long f = r_flips(st);
+          std::printf("%-28s %-14s %10ld  flipped by r alone\n", name, path.name.c_str(), f);
+          by_r += f;
+        }
       } else {
         EXPECT_EQ(n.rows, 0) << "with the check every emitted rounding is golden's";
         EXPECT_EQ(n.idx, 0);
@@ -1365,6 +1418,9 @@ void compressor_check_test(CmpKind kind, index_t B, index_t S, std::uint64_t see
   }
   if (!lean) {
     EXPECT_GT(unchecked, 0) << "the data no longer show the default dots' flips";
+    if (dominant >= 0) {
+      EXPECT_GT(by_r, 0) << "the data no longer show flips that r alone causes";
+    }
   }
 }
 
@@ -1378,4 +1434,8 @@ TEST(rounding, HcaCompressorWithTheRoundingCheckRoundsAsGoldenFromTheStepsInputs
 
 TEST(rounding, IndexerCompressorWithTheRoundingCheckRoundsAsGoldenFromTheStepsInputs) {
   compressor_check_test(CmpKind::inner, 512, 2, 2103, "inner bf16(y) (check)");
+}
+
+TEST(rounding, CsaCompressorWithTheRoundingCheckRoundsAsGoldenWhenOneChannelDecidesTheNorm) {
+  compressor_check_test(CmpKind::csa, 256, 2, 2104, "CSA cmp_kv (check, r)", 5);
 }

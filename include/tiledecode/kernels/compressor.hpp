@@ -228,8 +228,8 @@ constexpr index_t ws_round(index_t n) {
 constexpr index_t compressor_workspace_size(const ModelConfig& cfg, const CompressorSpec& spec,
                                             index_t tokens) {
   return detail::ws_round(tokens * cfg.hidden) + detail::ws_round(tokens * spec.state_width()) +
-         detail::ws_round(spec.state_width()) + 8 * detail::ws_round(spec.head_dim) +
-         detail::ws_round(tokens);
+         detail::ws_round(spec.state_width()) + 6 * detail::ws_round(spec.head_dim) +
+         2 * detail::ws_round(2 * spec.head_dim) + detail::ws_round(tokens);
 }
 
 // ---------------------------------------------------------------------------------------------

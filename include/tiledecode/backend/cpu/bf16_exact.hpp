@@ -32,9 +32,10 @@
 //   few   the rows arrangement's last n_tok % 8 tokens, up to 4 (all of them below 5 tokens: the
 //         rounding checks' repairs): the lanes on 8 rows, each 8 × 8 block of BF16 transposed in
 //         registers (24 unpacks) and widened, a broadcast multiply-add per token and k. AVX-512:
-//         32 rows per tile, AVX2: 16 (two vectors per 8 rows, two tokens at a time). The rows
-//         by pointer, so bf16_rows_gather_dots_exact runs it too (one token against any rows:
-//         the q-latent's and the kv checks' repairs).
+//         32 rows per tile, AVX2: 8 (two vectors, two tokens at a time; the transpose's last
+//         stage folded into the widening, Tier::few_block8). The rows
+//         and the tokens by pointer, so bf16_rows_gather_dots_exact runs it too (a few tokens
+//         against any rows: the rounding checks' repairs).
 //   cols  w[k·ld_w + n] (a weight column per output; the q/kv wq_a / wkv): the lanes on 8 (4)
 //         columns, each token's x[k] broadcast. AVX-512: 3 column vectors × 8 tokens per tile,
 //         AVX2: 3 × 4.
@@ -152,6 +153,9 @@ inline void bf16_cols_dot_exact_scalar(float* out, index_t ld_out, const bf16* x
     }
 }
 
+// Tokens per pass of the few-token kernels (and of bf16_rows_gather_dots_exact on every tier).
+inline constexpr int kFewTok = 4;
+
 #if TILEDECODE_X86
 namespace exact_detail {
 inline constexpr int kTok = 8;          // rows: tokens per panel (the lanes of a register tile)
@@ -178,23 +182,14 @@ __attribute__((always_inline)) inline void prefetch_next_block(const bf16* wr, i
 // multiply-add per vector: each lane is one row's sum, in ascending k. Per 8 rows and k that is
 // the transpose's 3 unpacks and a widening, shared by the tokens, and one multiply-add per token,
 // against one per token panel (8 lanes) on the rows above.
-inline constexpr int kFewTok = 4;           // tokens per pass of the few-token kernels
 inline constexpr index_t kFewBlockK = 512;  // k per block of the tokens' x as double (16 KB)
 inline constexpr index_t kFewAhead = 256;   // their prefetch distance in the rows, in k
 
-// c[j] = the 8 BF16 rows[r][k + j], r < 8, in 16-bit lane r (r >= nr or j >= n: +0), j < 8:
-// 16-bit interleaves of row pairs, 32-bit of pairs of pairs, 64-bit of the halves, 24 unpacks.
-// SSE2, so it compiles into either tier's kernel (always inlined).
-__attribute__((always_inline)) inline void transpose8x8_bf16(__m128i c[8], const bf16* const* rows,
-                                                             index_t k, int nr, index_t n) {
-  __m128i a[8], b[8], h[8];
-  for (int r = 0; r < 8; ++r) {
-    a[r] = _mm_setzero_si128();
-    if (r < nr && n >= 8)
-      a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + k));
-    else if (r < nr)
-      __builtin_memcpy(&a[r], rows[r] + k, std::size_t(n) * sizeof(bf16));
-  }
+// c[j] = a[r][j] (8 BF16 values each, r < 8) in 16-bit lane r, j < 8: 16-bit interleaves of row
+// pairs, 32-bit of pairs of pairs, 64-bit of the halves, 24 unpacks. SSE2, so it compiles into
+// either tier's kernel (always inlined).
+__attribute__((always_inline)) inline void transpose8x8_bf16(__m128i c[8], const __m128i a[8]) {
+  __m128i b[8], h[8];
   for (int i = 0; i < 4; ++i) {  // rows 2i, 2i + 1: k 0-3, then k 4-7
     b[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
     b[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
@@ -208,6 +203,23 @@ __attribute__((always_inline)) inline void transpose8x8_bf16(__m128i c[8], const
     c[2 * j] = _mm_unpacklo_epi64(h[j], h[4 + j]);
     c[2 * j + 1] = _mm_unpackhi_epi64(h[j], h[4 + j]);
   }
+}
+// The same of rows[r][k + j]: 8 full loads (every row has k + 8 values), or the last n < 8 of a
+// row (j >= n: +0) copied (kept apart: a copy puts the rows on the stack).
+__attribute__((always_inline)) inline void transpose8x8_bf16(__m128i c[8], const bf16* const* rows,
+                                                             index_t k) {
+  __m128i a[8];
+  for (int r = 0; r < 8; ++r) a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + k));
+  transpose8x8_bf16(c, a);
+}
+__attribute__((noinline)) inline void transpose8x8_bf16_tail(__m128i c[8], const bf16* const* rows,
+                                                             index_t k, index_t n) {
+  __m128i a[8];
+  for (int r = 0; r < 8; ++r) {
+    a[r] = _mm_setzero_si128();
+    __builtin_memcpy(&a[r], rows[r] + k, std::size_t(n) * sizeof(bf16));
+  }
+  transpose8x8_bf16(c, a);
 }
 
 using Panels = double[kGroups][kBlockK * kTok];
@@ -258,53 +270,55 @@ __attribute__((always_inline)) inline void rows_driver(float* out, index_t ld_ou
   }
 }
 
-// put(t, r, Σ_k x[t·ld_x + k] · rows[r][k]) for t < NT, r < nr <= Tier::kFewRows: the few-token
-// arrangement (above), per block of kFewBlockK k the tokens' x widened to doubles
-// (Tier::widen_x), per 8 k and group of 8 rows the block transposed (transpose8x8_bf16) and
-// Tier::few_step<NT>(acc, v, c[j], xd, k + j) per k: acc[t][v] += the group's 8 weights at k,
-// widened, times x[t][k], for t < NT. Tier provides kFewVecs (groups per tile), FewAcc,
-// few_zero(acc), few_step and few_store(a, acc) (the group's 8 sums into a[0..8)). Always inlined
-// into the tier's entry points.
-template <class Tier, int NT, class Put>
-__attribute__((always_inline)) inline void few_tile(const bf16* const* rows, int nr, const bf16* x,
-                                                    index_t ld_x, index_t d, Put&& put) {
-  constexpr int NV = Tier::kFewVecs;
+// put(t, r, Σ_k xs[t][k] · rows[r][k]) for t < NT, r < nr <= 8 · NG: the few-token arrangement
+// (above), per block of kFewBlockK k the tokens' x widened to doubles (Tier::widen_x), per 8 k
+// and group of 8 rows the block transposed (transpose8x8_bf16) and Tier::few_step<NT>(acc[.][v],
+// c[j], xd, k + j) per k: acc[t][v] += the group's 8 weights at k, widened, times x[t][k], for t <
+// NT. NG (<= Tier::kFewVecs) is a template argument so that the loops over groups and tokens
+// unroll and the sums stay in registers (indexed at run time, they went through the stack: a
+// store and a reload in each chain's every step, 4x slower on a Zen 3). Tier provides kFewVecs
+// (groups per tile), FewAcc, few_zero(acc), few_step and few_store(a, acc) (the group's 8 sums
+// into a[0..8)). Always inlined into the tier's entry points.
+template <class Tier, int NT, int NG, class Put>
+__attribute__((always_inline)) inline void few_tile(const bf16* const* rows, int nr,
+                                                    const bf16* const* xs, index_t d, Put&& put) {
   alignas(64) double xd[NT * kFewBlockK];
-  typename Tier::FewAcc acc[NT][NV];
+  // The rows past nr repeat the last one (their sums are not put): every load is a full one.
+  const bf16* rp[8 * NG];
+  for (int r = 0; r < 8 * NG; ++r) rp[r] = rows[std::min(r, nr - 1)];
+  typename Tier::FewAcc acc[NT][NG];
   for (int t = 0; t < NT; ++t)
-    for (int v = 0; v < NV; ++v) Tier::few_zero(acc[t][v]);
+    for (int v = 0; v < NG; ++v) Tier::few_zero(acc[t][v]);
   for (index_t k0 = 0; k0 < d; k0 += kFewBlockK) {
     const index_t kk = std::min(kFewBlockK, d - k0);
-    for (int t = 0; t < NT; ++t) Tier::widen_x(xd + t * kFewBlockK, x + t * ld_x + k0, kk);
+    for (int t = 0; t < NT; ++t) Tier::widen_x(xd + t * kFewBlockK, xs[t] + k0, kk);
     for (index_t k = 0; k < kk; k += 8) {
       const index_t n = std::min<index_t>(8, kk - k);
       if (k % 32 == 0 && k0 + k + kFewAhead < d)
         for (int r = 0; r < nr; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(rows[r] + k0 + k + kFewAhead), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(rp[r] + k0 + k + kFewAhead), _MM_HINT_T0);
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) {
-        if (8 * v >= nr) break;
+      for (int v = 0; v < NG; ++v) {
         __m128i c[8];
-        transpose8x8_bf16(c, rows + 8 * v, k0 + k, nr - 8 * v, n);
         if (n == 8) {
-#pragma GCC unroll 8
-          for (int j = 0; j < 8; ++j) Tier::template few_step<NT>(acc, v, c[j], xd, k + j);
+          Tier::template few_block8<NT, NG>(acc, v, rp + 8 * v, k0 + k, xd, k);
         } else {
-          for (int j = 0; j < int(n); ++j) Tier::template few_step<NT>(acc, v, c[j], xd, k + j);
+          transpose8x8_bf16_tail(c, rp + 8 * v, k0 + k, n);
+          for (int j = 0; j < int(n); ++j) Tier::template few_step<NT, NG>(acc, v, c[j], xd, k + j);
         }
       }
     }
   }
   double a[8];
   for (int t = 0; t < NT; ++t)
-    for (int v = 0; v < NV; ++v) {
+    for (int v = 0; v < NG; ++v) {
       Tier::few_store(a, acc[t][v]);
       for (int i = 0; i < std::min(8, nr - 8 * v); ++i) put(t, 8 * v + i, a[i]);
     }
 }
 
 // rows_driver's results, with the last n_tok % 8 tokens, up to kFewTok of them, on the tier's
-// few-token kernel (Tier::few<NT>(out, ld_out, x, ld_x, rows, nr, d): nr <= Tier::kFewRows rows
+// few-token kernel (Tier::few<NT>(xs, rows, nr, d, put): NT tokens and nr <= Tier::kFewRows rows
 // by pointer, the lanes on rows): the same sums in the same order, so the same bits.
 template <class Tier>
 __attribute__((always_inline)) inline void rows_dispatch(float* out, index_t ld_out, const bf16* x,
@@ -314,13 +328,15 @@ __attribute__((always_inline)) inline void rows_dispatch(float* out, index_t ld_
   if (panels > 0) rows_driver<Tier>(out, ld_out, x, ld_x, panels, w, ld_w, n_rows, d);
   if (few == 0) return;
   float* fo = out + panels * ld_out;
-  const bf16* fx = x + panels * ld_x;
   with_static_count<kFewTok>(int(few), [&]<int NT>() {
+    const bf16* xs[NT];
+    for (int t = 0; t < NT; ++t) xs[t] = x + (panels + t) * ld_x;
     const bf16* rows[Tier::kFewRows];
     for (index_t r0 = 0; r0 < n_rows; r0 += Tier::kFewRows) {
       const int nr = int(std::min<index_t>(Tier::kFewRows, n_rows - r0));
       for (int r = 0; r < nr; ++r) rows[r] = w + (r0 + r) * ld_w;
-      Tier::template few<NT>(fo + r0, ld_out, fx, ld_x, rows, nr, d);
+      Tier::template few<NT>(xs, rows, nr, d,
+                             [&](int t, int r, double v) { fo[t * ld_out + r0 + r] = float(v); });
     }
   });
 }
@@ -434,8 +450,8 @@ struct Tier {
   using FewAcc = __m512d;
   TILEDECODE_TARGET_AVX512 static void few_zero(FewAcc& a) { a = _mm512_setzero_pd(); }
   // acc[t][v] += w[0..8)[k] · xd[t·kFewBlockK + k] for t < NT, c: w's 8 rows at k as BF16.
-  template <int NT>
-  TILEDECODE_TARGET_AVX512 static void few_step(FewAcc (*acc)[kFewVecs], int v, __m128i c,
+  template <int NT, int NG>
+  TILEDECODE_TARGET_AVX512 static void few_step(FewAcc (*acc)[NG], int v, __m128i c,
                                                 const double* xd, index_t k) {
     const __m512d wv = _mm512_maskz_cvtps_pd(
         kAll, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(c), 16)));
@@ -443,18 +459,29 @@ struct Tier {
     for (int t = 0; t < NT; ++t)
       acc[t][v] = _mm512_fmadd_pd(wv, _mm512_set1_pd(xd[t * kFewBlockK + k]), acc[t][v]);
   }
+  // few_step for the 8 k of a full 8 × 8 block at pos (x at xd[kx ..]).
+  template <int NT, int NG>
+  TILEDECODE_TARGET_AVX512 static void few_block8(FewAcc (*acc)[NG], int v, const bf16* const* rows,
+                                                  index_t pos, const double* xd, index_t kx) {
+    __m128i c[8];
+    transpose8x8_bf16(c, rows, pos);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) few_step<NT, NG>(acc, v, c[j], xd, kx + j);
+  }
   TILEDECODE_TARGET_AVX512 static void few_store(double* a, const FewAcc& acc) {
     _mm512_storeu_pd(a, acc);
   }
-  template <int NT>
-  TILEDECODE_TARGET_AVX512 static void few(float* out, index_t ld_out, const bf16* x, index_t ld_x,
-                                           const bf16* const* rows, int nr, index_t d) {
-    few_tile<Tier, NT>(rows, nr, x, ld_x, d,
-                       [&](int t, int r, double v) { out[t * ld_out + r] = float(v); });
+  template <int NT, class Put>
+  TILEDECODE_TARGET_AVX512 static void few(const bf16* const* xs, const bf16* const* rows, int nr,
+                                           index_t d, Put&& put) {
+    with_static_count<kFewVecs>((nr + 7) / 8, [&]<int NG>() TILEDECODE_TARGET_AVX512 {
+      few_tile<Tier, NT, NG>(rows, nr, xs, d, put);
+    });
   }
-  TILEDECODE_TARGET_AVX512 static void gather(const bf16* const* rows, int nr, const bf16* x,
-                                              index_t d, double* s) {
-    few_tile<Tier, 1>(rows, nr, x, 0, d, [&](int, int r, double v) { s[r] = v; });
+  template <int NT>
+  TILEDECODE_TARGET_AVX512 static void gather(const bf16* const* xs, const bf16* const* rows,
+                                              int nr, index_t d, double* s, index_t ld_s) {
+    few<NT>(xs, rows, nr, d, [&](int t, int r, double v) { s[t * ld_s + r] = v; });
   }
 
   // 8×8 transposes of the tokens' widened rows.
@@ -609,20 +636,21 @@ TILEDECODE_TARGET_AVX2 inline void cols_tile(double* s, index_t ld_s, const doub
 // The drivers' tier: 6-row tiles on 8 token lanes (two vectors); 3 × 4 columns × 4 tokens.
 struct Tier {
   static constexpr int kTileRows = 6, kColTok = 4, kLanes = 4, kTileVecs = 3;
-  // The few-token kernel (cpu::exact_detail::few_tile): 2 groups of 8 rows, two vectors each,
-  // so NT · 4 chains of multiply-adds overlap; two tokens at a time (16 vector registers: more
-  // would spill the sums).
-  static constexpr int kFewVecs = 2, kFewRows = 8 * kFewVecs;
+  // The few-token kernel (cpu::exact_detail::few_tile): one group of 8 rows, two vectors, so NT
+  // · 2 chains of multiply-adds overlap; two tokens at a time. 16 vector registers: two groups
+  // spilled sums and transposed rows (measured on a Zen 3, 16 rows × 4096, two tokens: 23 µs,
+  // against 27 µs in two groups).
+  static constexpr int kFewVecs = 1, kFewRows = 8 * kFewVecs;
   struct FewAcc {
     __m256d lo, hi;
   };
   TILEDECODE_TARGET_AVX2 static void few_zero(FewAcc& a) { a.lo = a.hi = _mm256_setzero_pd(); }
-  template <int NT>
-  TILEDECODE_TARGET_AVX2 static void few_step(FewAcc (*acc)[kFewVecs], int v, __m128i c,
-                                              const double* xd, index_t k) {
-    const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(c), 16));
-    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(f)),
-                  hi = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+  template <int NT, int NG>
+  TILEDECODE_TARGET_AVX2 static void few_step(FewAcc (*acc)[NG], int v, __m128i c, const double* xd,
+                                              index_t k) {
+    const __m128i z = _mm_setzero_si128();  // BF16 in the high half: its FP32
+    const __m256d lo = _mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpacklo_epi16(z, c))),
+                  hi = _mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpackhi_epi16(z, c)));
 #pragma GCC unroll 2
     for (int t = 0; t < NT; ++t) {
       const __m256d xb = _mm256_broadcast_sd(xd + t * kFewBlockK + k);
@@ -630,22 +658,61 @@ struct Tier {
       acc[t][v].hi = _mm256_fmadd_pd(hi, xb, acc[t][v].hi);
     }
   }
+  // few_step for the 8 k of a full 8 × 8 block at pos (x at xd[kx ..]), the transpose's last
+  // stage left out: after the 16- and 32-bit interleaves h[j] (h[4 + j]) holds rows 0-3 (4-7) at
+  // k = 2j and 2j + 1, which the widening's unpacks with zero take apart (32 shuffles a block
+  // instead of 40).
+  template <int NT, int NG>
+  TILEDECODE_TARGET_AVX2 static void few_block8(FewAcc (*acc)[NG], int v, const bf16* const* rows,
+                                                index_t pos, const double* xd, index_t kx) {
+    __m128i a[8], b[8], h[8];
+    for (int r = 0; r < 8; ++r)
+      a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + pos));
+    for (int i = 0; i < 4; ++i) {
+      b[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+      b[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+    }
+    for (int g = 0; g < 2; ++g)
+      for (int q = 0; q < 2; ++q) {
+        h[4 * g + 2 * q] = _mm_unpacklo_epi32(b[4 * g + q], b[4 * g + q + 2]);
+        h[4 * g + 2 * q + 1] = _mm_unpackhi_epi32(b[4 * g + q], b[4 * g + q + 2]);
+      }
+    const __m128i z = _mm_setzero_si128();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 2
+      for (int e = 0; e < 2; ++e) {
+        const __m128i r03 = e ? _mm_unpackhi_epi16(z, h[j]) : _mm_unpacklo_epi16(z, h[j]);
+        const __m128i r47 = e ? _mm_unpackhi_epi16(z, h[4 + j]) : _mm_unpacklo_epi16(z, h[4 + j]);
+        const __m256d lo = _mm256_cvtps_pd(_mm_castsi128_ps(r03)),
+                      hi = _mm256_cvtps_pd(_mm_castsi128_ps(r47));
+        const index_t k = kx + 2 * j + e;
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; ++t) {
+          const __m256d xb = _mm256_broadcast_sd(xd + t * kFewBlockK + k);
+          acc[t][v].lo = _mm256_fmadd_pd(lo, xb, acc[t][v].lo);
+          acc[t][v].hi = _mm256_fmadd_pd(hi, xb, acc[t][v].hi);
+        }
+      }
+  }
   TILEDECODE_TARGET_AVX2 static void few_store(double* a, const FewAcc& acc) {
     _mm256_storeu_pd(a, acc.lo);
     _mm256_storeu_pd(a + 4, acc.hi);
   }
-  template <int NT>
-  TILEDECODE_TARGET_AVX2 static void few(float* out, index_t ld_out, const bf16* x, index_t ld_x,
-                                         const bf16* const* rows, int nr, index_t d) {
-    few_tile<Tier, std::min(NT, 2)>(
-        rows, nr, x, ld_x, d, [&](int t, int r, double v) { out[t * ld_out + r] = float(v); });
-    if constexpr (NT > 2)
-      few_tile<Tier, NT - 2>(rows, nr, x + 2 * ld_x, ld_x, d,
-                             [&](int t, int r, double v) { out[(t + 2) * ld_out + r] = float(v); });
+  template <int NT, class Put>
+  TILEDECODE_TARGET_AVX2 static void few(const bf16* const* xs, const bf16* const* rows, int nr,
+                                         index_t d, Put&& put) {
+    with_static_count<kFewVecs>((nr + 7) / 8, [&]<int NG>() TILEDECODE_TARGET_AVX2 {
+      few_tile<Tier, std::min(NT, 2), NG>(rows, nr, xs, d, put);
+      if constexpr (NT > 2)
+        few_tile<Tier, NT - 2, NG>(rows, nr, xs + 2, d,
+                                   [&](int t, int r, double v) { put(t + 2, r, v); });
+    });
   }
-  TILEDECODE_TARGET_AVX2 static void gather(const bf16* const* rows, int nr, const bf16* x,
-                                            index_t d, double* s) {
-    few_tile<Tier, 1>(rows, nr, x, 0, d, [&](int, int r, double v) { s[r] = v; });
+  template <int NT>
+  TILEDECODE_TARGET_AVX2 static void gather(const bf16* const* xs, const bf16* const* rows, int nr,
+                                            index_t d, double* s, index_t ld_s) {
+    few<NT>(xs, rows, nr, d, [&](int t, int r, double v) { s[t * ld_s + r] = v; });
   }
 
   // 4×4 transposes of the tokens' widened rows, two per 8 tokens.
@@ -834,34 +901,51 @@ inline void bf16_pair_dots_exact(Isa isa, int n, const bf16* const* x, const bf1
   bf16_pair_dots_exact_scalar(n, x, w, d, s, ws);
 }
 
-// s[j] = Σ_{k<d} x[k] · rows[j][k] for j < n (any n >= 0): bf16_dot_exact's sum of one x with
-// each of n weight rows (the q-latent's and the kv rounding checks' repairs from the transposed
-// rows: one token's listed dots, or all of them), on the few-token kernel with one token (the
-// lanes on rows, x widened once), the scalar tier on the pairs' body. Measured on an Intel Xeon,
-// rows of 4096 in cache, against bf16_pair_dots_exact (which widens x per pair and transposes
-// the products): avx512 6.4 / 12.9 / 28 µs for 8 / 16 / 32 rows against 9.1 / 20 / 40, avx2 6.5
-// / 14 / 27 against 24 / 35 / 69.
+// s[t·ld_s + j] = Σ_{k<d} xs[t][k] · rows[j][k] for t < nt, j < n (any nt, n >= 0):
+// bf16_dot_exact's sum of each of nt token rows with each of n weight rows, both by pointer (the
+// rounding checks' repairs: the q-latent's and the kv checks' from the transposed rows, one token's
+// listed dots or all of them; the compressors' channels, the window's written tokens on one half),
+// on the few-token kernel (the lanes on rows, each x widened once, kFewTok tokens per pass over the
+// rows), the scalar tier on the pairs' body. Measured on an Intel Xeon, one token, rows of 4096
+// in cache, against bf16_pair_dots_exact (which widens x per pair and transposes the products):
+// avx512 6.4 / 12.9 / 28 µs for 8 / 16 / 32 rows against 9.1 / 20 / 40, avx2 6.5 / 14 / 27
+// against 24 / 35 / 69.
+inline void bf16_rows_gather_dots_exact(Isa isa, int nt, const bf16* const* xs, int n,
+                                        const bf16* const* rows, index_t d, double* s,
+                                        index_t ld_s) {
+  for (int t0 = 0; t0 < nt; t0 += kFewTok) {
+    const int m = std::min(kFewTok, nt - t0);
+    const bf16* const* x = xs + t0;
+    double* st = s + t0 * ld_s;
+#if TILEDECODE_X86
+    if (isa == Isa::avx512 || has_avx2(isa)) {
+      with_static_count<kFewTok>(m, [&]<int NT>() {
+        const int R = isa == Isa::avx512 ? avx512::exact_detail::Tier::kFewRows
+                                         : avx2::exact_detail::Tier::kFewRows;
+        for (int j = 0; j < n; j += R) {
+          const int nr = std::min(R, n - j);
+          if (isa == Isa::avx512)
+            avx512::exact_detail::Tier::gather<NT>(x, rows + j, nr, d, st + j, ld_s);
+          else
+            avx2::exact_detail::Tier::gather<NT>(x, rows + j, nr, d, st + j, ld_s);
+        }
+      });
+      continue;
+    }
+#endif
+    for (int t = 0; t < m; ++t) {
+      const bf16* xr[kPairDots];
+      std::fill_n(xr, kPairDots, x[t]);
+      for (int j = 0; j < n; j += kPairDots)
+        bf16_pair_dots_exact_scalar(std::min(kPairDots, n - j), xr, rows + j, d, st + t * ld_s + j);
+    }
+  }
+  (void)isa;
+}
+// One x: s[j] = Σ_{k<d} x[k] · rows[j][k], j < n.
 inline void bf16_rows_gather_dots_exact(Isa isa, int n, const bf16* x, const bf16* const* rows,
                                         index_t d, double* s) {
-#if TILEDECODE_X86
-  if (isa == Isa::avx512 || has_avx2(isa)) {
-    const int R = isa == Isa::avx512 ? avx512::exact_detail::Tier::kFewRows
-                                     : avx2::exact_detail::Tier::kFewRows;
-    for (int j = 0; j < n; j += R) {
-      const int m = std::min(R, n - j);
-      if (isa == Isa::avx512)
-        avx512::exact_detail::Tier::gather(rows + j, m, x, d, s + j);
-      else
-        avx2::exact_detail::Tier::gather(rows + j, m, x, d, s + j);
-    }
-    return;
-  }
-#endif
-  (void)isa;
-  const bf16* xs[kPairDots];
-  std::fill_n(xs, kPairDots, x);
-  for (int j = 0; j < n; j += kPairDots)
-    bf16_pair_dots_exact_scalar(std::min(kPairDots, n - j), xs, rows + j, d, s + j);
+  bf16_rows_gather_dots_exact(isa, 1, &x, n, rows, d, s, 0);
 }
 
 inline void bf16_cols_dot_exact(Isa isa, float* out, index_t ld_out, const bf16* x, index_t ld_x,

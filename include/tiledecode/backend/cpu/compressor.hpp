@@ -81,17 +81,18 @@ inline void hadamard_row_scalar(float* z, const float* y, const bf16* h, index_t
 }
 
 struct CompressorWorkspace {
-  float* x32;             // (T, D)
-  float* proj;            // (T, 2*OUT_DIM): [kv | g] = the state rows of this step
-  float* null_row;        // (2*OUT_DIM): kv 0, score kNegBig — stands in for unmapped state rows
-  float* pooled;          // (head_dim)
-  float* y;               // (head_dim)
-  float* z;               // (head_dim)
-  float* y_lo;            // (head_dim) the rounding check: y's double as the FP32 pair y + y_lo
-  float* bound;           // (head_dim) the rounding check: the pooled values' error bounds
-  float* bound_r;         // (head_dim) the same with κ_r, for the RMS factor's bound
-  float* mx;              // (head_dim) the rounding check: the pooling's softmax max per channel
-  float* ls;              // (head_dim) the rounding check: its weight sum Σ e^(s - max), FP32
+  float* x32;       // (T, D)
+  float* proj;      // (T, 2*OUT_DIM): [kv | g] = the state rows of this step
+  float* null_row;  // (2*OUT_DIM): kv 0, score kNegBig — stands in for unmapped state rows
+  float* pooled;    // (head_dim)
+  float* y;         // (head_dim)
+  float* z;         // (head_dim)
+  float* y_lo;      // (head_dim) the rounding check: y's double as the FP32 pair y + y_lo
+  float* bound;     // (2 head_dim) the rounding check: the pooled values' error bounds, per part:
+                    // [d] from the written kv values of channel d, [head_dim + d] from their scores
+  float* bound_r;   // (2 head_dim) the same with κ_r, for the RMS factor's bound
+  float* mx;        // (head_dim) the rounding check: the pooling's softmax max per channel
+  float* ls;        // (head_dim) the rounding check: its weight sum Σ e^(s - max), FP32
   std::int32_t* written;  // (T) the rounding check: tokens sorted by (state slot, t)
 };
 
@@ -106,8 +107,8 @@ inline CompressorWorkspace carve_workspace(const ModelConfig& cfg, const Compres
   w.z = w.y + ws_round(spec.head_dim);
   w.y_lo = w.z + ws_round(spec.head_dim);
   w.bound = w.y_lo + ws_round(spec.head_dim);
-  w.bound_r = w.bound + ws_round(spec.head_dim);
-  w.mx = w.bound_r + ws_round(spec.head_dim);
+  w.bound_r = w.bound + ws_round(2 * spec.head_dim);
+  w.mx = w.bound_r + ws_round(2 * spec.head_dim);
   w.ls = w.mx + ws_round(spec.head_dim);
   w.written = reinterpret_cast<std::int32_t*>(w.ls + ws_round(spec.head_dim));
   return w;
@@ -280,6 +281,21 @@ struct backend_ops_compressor {
                                             z.ws.ls);
     });
   }
+  // The 8 channels [c, c + 8) of a window pooled again (the rounding check's repairs): the tier's
+  // kernel, as pool's, so the same bits (a channel's value depends on its own inputs only).
+  static void pool_block(const float* const* kv, const float* const* sc, int n, float* hi,
+                         float* lo, index_t c) {
+#if TILEDECODE_X86
+    if constexpr (I == Isa::avx512) {
+      avx512::compressor_pool_channels(hi, lo, kv, sc, n, c, c + 8);
+      return;
+    } else if constexpr (avx2) {
+      avx2::compressor_pool_channels(hi, lo, kv, sc, n, c, c + 8);
+      return;
+    }
+#endif
+    kernels::detail::pool_channels_scalar(hi, lo, kv, sc, n, c, c + 8);
+  }
   // The kv and score rows of window c of request b (rules::compressor_candidates, state rows read
   // through the table by absolute position; an unmapped one reads the null row); returns their
   // number.
@@ -336,7 +352,8 @@ struct backend_ops_compressor {
   // + ape) the state values of every value whose bound holds a BF16 rounding boundary:
   //   * per channel d, the pooled value's bound B_d (compressor_check.hpp: each written state
   //     value within κ · 2^-24 · max|x_n[t]| · |w_row| + two FP32 roundings of golden's, through
-  //     the softmax weights);
+  //     the softmax weights), in two parts: from the written kv values and from their scores
+  //     (each part a weight row per channel: wkv's, wgate's);
   //   * the RMS factor r's relative bound ρ = sqrt(Σ_d (p_d B'_d)²) / (Σ_d p_d² + hd · eps), B'
   //     as B with κ_r = 4 for κ: the root of the sum of squares, not the sum, since the channels'
   //     errors are independent roundings of different weight rows (measured: |r / r_golden − 1|
@@ -345,16 +362,20 @@ struct backend_ops_compressor {
   //     Y_odd and back), plus 2^-40 |y_i| for the double arithmetic; listed when
   //     bf16(fp32(y_i − Y_i)) != bf16(fp32(y_i + Y_i)) (the two roundings are monotone, so golden's
   //     y, within Y_i, rounds as y does otherwise).
-  // Repairs, in three steps: the channels of the listed values first (each written candidate's kv
-  // and score, 16 dots at a time; their B_d becomes 0; re-pooled by the scalar twin, the tiers'
-  // bits); then, while a value is still listed (ρ: golden's r needs more channels), rounds of
-  // kRhoBatch channels, a listed one not yet repaired first, then the largest shares of ρ's sum
-  // of squares (next_channels), each round listed again, up to half the channels; past that,
-  // every channel of every written candidate (bf16_rows_dot_exact, a pass over the half's weight
-  // rows per run of consecutive tokens), and the row is pooled again. The rounds read 2 · nw
-  // weight rows per channel, as the full repair does, so they save what they leave out: on
-  // bench_compressor's live windows no row went past them (CSA: 2.8 channels a row on average
-  // in them, where 4.7 % of rows took all 512 before; docs/compressors.md). The pooling hands the
+  // Repairs (a part: one weight row's dots for every written candidate, its bound then 0; the
+  // channel re-pooled by the scalar twin, the tiers' bits; repair_parts: the candidates of one
+  // half through the rows together), in three steps. First, while a listed channel has a part
+  // left: those parts (own_parts: of a channel with both, the larger alone where the value, with
+  // the smaller one's bound, holds no boundary; both otherwise), listed again after each, up to
+  // half the parts. Then, while a value is still listed (ρ: golden's r needs more channels),
+  // rounds of kRhoBatch channels, a listed one not yet repaired first, then the largest shares
+  // of ρ's sum of squares (next_channels), each round listed again, up to half the parts; past
+  // that, every channel of every written candidate (bf16_rows_dot_exact, a pass over the half's
+  // weight rows per run of consecutive tokens), and the row is pooled again. A part reads one
+  // weight row (the full repair: all 2 · head_dim of the half), so the steps save what they
+  // leave out: on bench_compressor's live windows no row went past them (CSA: 2.8 channels a row
+  // on average in the rounds, where 4.7 % of rows took all 512 before; docs/compressors.md). The
+  // pooling hands the
   // check its softmax max and weight sum per channel (ws.mx, ws.ls), so the bound costs an exp per
   // written candidate and channel only. The repaired state values are golden's, and they stay in
   // the pool. A row with a non-finite y is not checked (its policy is the kernel's). Opt-in
@@ -397,24 +418,30 @@ struct backend_ops_compressor {
     index_t off;  // its half (0 or head_dim)
   };
 
+  // Channel d's bound from both parts (b: ws.bound or ws.bound_r).
+  static double both_parts(const float* b, index_t HD, index_t d) {
+    return double(b[d]) + double(b[HD + d]);
+  }
   // The channels of the values of y whose interval holds a BF16 rounding boundary (the RoPE
-  // pairs: both), in ch; returns their number, or kMaxChannels + 1 past kMaxChannels.
+  // pairs: both), in ch; returns their number, or kMaxChannels + 1 past kMaxChannels. rho: ρ.
   static int listed_channels(const Lane& z, const kernels::CompressorArgs& a, index_t rope_pos,
-                             int* ch) {
+                             int* ch, double* rho_out = nullptr) {
     const index_t HD = a.spec.head_dim;
     const Ws& ws = z.ws;
     const auto pooled = [&](index_t i) { return double(ws.pooled[i]) + double(ws.z[i]); };
-    double ss = 0.0, q = 0.0;
+    double ss4[4] = {}, q4[4] = {};  // four chains each (HD % 8 == 0), added in a fixed order
     for (index_t i = 0; i < HD; ++i) {
-      const double p = pooled(i), e = p * double(ws.bound_r[i]);
-      ss += p * p;
-      q += e * e;
+      const double p = pooled(i), e = p * both_parts(ws.bound_r, HD, i);
+      ss4[i % 4] += p * p;
+      q4[i % 4] += e * e;
     }
+    const double ss = (ss4[0] + ss4[1]) + (ss4[2] + ss4[3]), q = (q4[0] + q4[1]) + (q4[2] + q4[3]);
     const double rho = std::sqrt(q) / (ss + double(HD) * double(a.cfg->rms_eps));
+    if (rho_out) *rho_out = rho;
     const auto nw = [&](index_t i) { return std::fabs(z.r * double(a.w.norm_w(i).to_float())); };
     return rounding_check::list_bf16_row(
         HD, kRopeDim, a.rope.cos_row(rope_pos), a.rope.sin_row(rope_pos), rho, 0.0,
-        [&](index_t i) { return nw(i) * double(ws.bound[i]); },
+        [&](index_t i) { return nw(i) * both_parts(ws.bound, HD, i); },
         [&](index_t i) { return std::fabs(pooled(i)) * nw(i); },
         [&](index_t i) { return double(ws.y[i]) + double(ws.y_lo[i]); }, ch, kMaxChannels);
   }
@@ -450,36 +477,50 @@ struct backend_ops_compressor {
     compressor_check::pool_bound(I, ws.bound, ws.bound_r, ws.pooled, ws.mx, ws.ls, wr, nw, HD);
     const index_t rope_pos = a.rope_position(b, c);
     int ch[kMaxChannels + 1];
-    int nch = listed_channels(z, a, rope_pos, ch);
+    double rho = 0.0;
+    int nch = listed_channels(z, a, rope_pos, ch, &rho);
     if (nch == 0) return;
-    // Golden's state values of channels ch[0 .. m): their bounds become 0, the channels are
-    // pooled again (the scalar twin: every tier's bits) and y follows.
-    const auto repair = [&](const int* chs, int m) {
-      repair_channels(z, a, wc, nw, chs, m);
+    // Golden's state values of parts[0 .. m): their bounds become 0, the blocks of 8 channels
+    // that hold them are pooled again (pool_block: every tier's bits; the other channels' values
+    // do not move) and y follows.
+    const auto repair = [&](const int* parts, int m) {
+      repair_parts(a, wc, nw, parts, m);
+      index_t blocks[2 * kMaxChannels];
+      int nb = 0;
       for (int i = 0; i < m; ++i) {
-        ws.bound[chs[i]] = 0.0f;
-        ws.bound_r[chs[i]] = 0.0f;
-        kernels::detail::pool_channels_scalar(ws.pooled, ws.z, kv, sc, n, chs[i], chs[i] + 1);
+        const index_t blk = (parts[i] % HD) / 8;
+        ws.bound[parts[i]] = 0.0f;
+        ws.bound_r[parts[i]] = 0.0f;
+        if (std::find(blocks, blocks + nb, blk) == blocks + nb) {
+          blocks[nb++] = blk;
+          pool_block(kv, sc, n, ws.pooled, ws.z, 8 * blk);
+        }
       }
       norm_rope(z, a, rope_pos);
     };
-    int done = 0;  // channels repaired
-    if (nch <= kMaxChannels) {
-      repair(ch, nch);
-      done = nch;
-      nch = listed_channels(z, a, rope_pos, ch);
+    int parts[2 * kMaxChannels], done = 0;  // parts repaired
+    while (nch > 0 && nch <= kMaxChannels && done < HD) {
+      const int m = own_parts(z, a, rho, ch, nch, parts);
+      if (m == 0) break;
+      repair(parts, m);
+      done += m;
+      nch = listed_channels(z, a, rope_pos, ch, &rho);
     }
     // Still listed: ρ, golden's r needs more channels. The largest shares of ρ's sum of squares
     // first, kRhoBatch channels a round (with any listed channel not yet repaired), while that
-    // costs less than every channel (repair_rows reads the same rows, 2 · nw dots a channel, in
-    // one pass).
-    while (nch > 0 && nch <= kMaxChannels && done + kRhoBatch <= HD / 2) {
-      int next[kRhoBatch];
-      const int m = next_channels(ws, HD, ch, nch, next);
+    // costs less than every channel (repair_rows reads the same rows, all 2 · head_dim of the
+    // half, in one pass).
+    while (nch > 0 && nch <= kMaxChannels && done + 2 * kRhoBatch <= HD) {
+      int next[kRhoBatch], m = 0;
+      const int k = next_channels(ws, HD, ch, nch, next);
+      if (k == 0) break;
+      for (int i = 0; i < k; ++i)
+        for (const int p : {next[i], next[i] + int(HD)})
+          if (ws.bound[p] != 0.0f || ws.bound_r[p] != 0.0f) parts[m++] = p;
       if (m == 0) break;
-      repair(next, m);
+      repair(parts, m);
       done += m;
-      nch = listed_channels(z, a, rope_pos, ch);
+      nch = listed_channels(z, a, rope_pos, ch, &rho);
     }
     if (nch == 0) return;
     repair_rows(z, a, wc, nw);
@@ -487,6 +528,42 @@ struct backend_ops_compressor {
     norm_rope(z, a, rope_pos);
   }
 
+  // The parts to repair of the listed channels ch[0 .. nch) (part p < HD: channel p's kv values
+  // in every written candidate, from wkv's row; HD + d: channel d's scores, from wgate's): each
+  // listed channel's parts with a bound left, except that of a channel with both whose value,
+  // with the smaller part's bound alone, holds no BF16 boundary (list_bf16_row's test, at the
+  // same ρ), only the larger (ties: kv) is taken; a RoPE channel (its value rotated with its
+  // pair's) takes both. A channel's parts are adjacent. Returns their number (0: none left).
+  static int own_parts(const Lane& z, const kernels::CompressorArgs& a, double rho, const int* ch,
+                       int nch, int* parts) {
+    const int HD = int(a.spec.head_dim);
+    const Ws& ws = z.ws;
+    int m = 0;
+    for (int i = 0; i < nch; ++i) {
+      const int d = ch[i];
+      const float bk = ws.bound[d], bg = ws.bound[HD + d];
+      const bool kv_left = bk != 0.0f || ws.bound_r[d] != 0.0f,
+                 g_left = bg != 0.0f || ws.bound_r[HD + d] != 0.0f;
+      if (kv_left && g_left && d < HD - int(kRopeDim)) {
+        const double y = double(ws.y[d]) + double(ws.y_lo[d]);
+        const double nw = std::fabs(z.r * double(a.w.norm_w(d).to_float()));
+        const double w = nw * double(std::min(bk, bg)) + std::fabs(y) * (rho + 0x1p-40);
+        if (!rounding_check::bf16_splits(y, w)) {
+          parts[m++] = bg > bk ? HD + d : d;
+          continue;
+        }
+      }
+      if (kv_left) parts[m++] = d;
+      if (g_left) parts[m++] = HD + d;
+    }
+    return m;
+  }
+
+  // Whether channel d has a part not yet repaired (a bound of either kind not 0).
+  static bool left(const Ws& ws, index_t HD, int d) {
+    return ws.bound[d] != 0.0f || ws.bound[HD + d] != 0.0f || ws.bound_r[d] != 0.0f ||
+           ws.bound_r[HD + d] != 0.0f;
+  }
   // The next channels to repair for ρ (check_rounding): the listed ones (ch[0 .. nch)) not yet
   // repaired, then the rest by their share of ρ's sum, (p_d · bound_r[d])², largest first (ties:
   // the lower channel), up to kRhoBatch in all; a repaired channel's bounds are 0, as are those of
@@ -494,15 +571,14 @@ struct backend_ops_compressor {
   static int next_channels(const Ws& ws, index_t HD, const int* ch, int nch, int* next) {
     int m = 0;
     for (int i = 0; i < nch && m < kRhoBatch; ++i)
-      if ((ws.bound[ch[i]] != 0.0f || ws.bound_r[ch[i]] != 0.0f) &&
-          std::find(next, next + m, ch[i]) == next + m)
-        next[m++] = ch[i];
+      if (left(ws, HD, ch[i]) && std::find(next, next + m, ch[i]) == next + m) next[m++] = ch[i];
     if (m == kRhoBatch) return m;
     const int listed = m;
     double top[kRhoBatch];  // the shares of next[listed .. m), descending
     for (int d = 0; d < int(HD); ++d) {
-      if (ws.bound_r[d] == 0.0f || std::find(next, next + listed, d) != next + listed) continue;
-      const double p = (double(ws.pooled[d]) + double(ws.z[d])) * double(ws.bound_r[d]);
+      const double br = both_parts(ws.bound_r, HD, d);
+      if (br == 0.0 || std::find(next, next + listed, d) != next + listed) continue;
+      const double p = (double(ws.pooled[d]) + double(ws.z[d])) * br;
       const double s = p * p;
       if (!(s > 0.0) || (m == kRhoBatch && !(s > top[m - 1]))) continue;
       int i = m < kRhoBatch ? m++ : m - 1;  // full: the smallest share drops out
@@ -516,36 +592,49 @@ struct backend_ops_compressor {
     return m;
   }
 
-  // Golden's state values of channels ch[0 .. nch) of every written candidate: kv and score.
-  static void repair_channels(const Lane& z, const kernels::CompressorArgs& a,
-                              const WrittenCand* wc, int nw, const int* ch, int nch) {
-    const index_t D = a.cfg->hidden, OUT = a.spec.out_dim();
-    const bf16* xp[kPairDots];
-    const bf16* wp[kPairDots];
-    float* dst[kPairDots];
-    const float* add[kPairDots];
-    double s[kPairDots];
-    int m = 0;
-    const auto flush = [&] {
-      bf16_pair_dots_exact(I, m, xp, wp, D, s);
-      for (int k = 0; k < m; ++k) *dst[k] = add[k] ? float(s[k]) + *add[k] : float(s[k]);
-      m = 0;
-    };
+  // Golden's state values of parts[0 .. np) (own_parts) of every written candidate. The
+  // candidates on one half share the weight rows (wkv's or wgate's row off + d), so that half's
+  // tokens go through them together: bf16_rows_gather_dots_exact, the rows read once per
+  // kFewTok tokens (the pairs read them once per token and widened x per dot).
+  static void repair_parts(const kernels::CompressorArgs& a, const WrittenCand* wc, int nw,
+                           const int* parts, int np) {
+    constexpr int kRows = 2 * std::max(kMaxChannels, kRhoBatch), kTok = kFewTok;
+    const index_t D = a.cfg->hidden, OUT = a.spec.out_dim(), HD = a.spec.head_dim;
+    const bf16* rows[kRows] = {};
+    const bf16* xs[kTok] = {};
+    const WrittenCand* who[kTok];
+    double s[kTok][kRows];
+    bool taken[2 * 128] = {};
     for (int q = 0; q < nw; ++q) {
-      const WrittenCand& w = wc[q];
-      for (int i = 0; i < nch; ++i) {
-        const index_t r = w.off + ch[i];
-        for (int g = 0; g < 2; ++g) {
-          xp[m] = &a.x_n(w.t, 0);
-          wp[m] = g ? &a.w.wgate(r, 0) : &a.w.wkv(r, 0);
-          dst[m] = w.row + (g ? OUT : 0) + r;
-          add[m] = g ? &a.w.ape(a.meta.positions(w.t) % a.spec.ratio, r) : nullptr;
-          if (++m == kPairDots) flush();
+      if (taken[q]) continue;
+      const index_t off = wc[q].off;
+      for (int i = 0; i < np; ++i)
+        rows[i] = parts[i] < HD ? &a.w.wkv(off + parts[i], 0) : &a.w.wgate(off + parts[i] - HD, 0);
+      int m = 0;
+      const auto flush = [&] {
+        bf16_rows_gather_dots_exact(I, m, xs, np, rows, D, s[0], kRows);
+        for (int u = 0; u < m; ++u) {
+          const WrittenCand& w = *who[u];
+          const float* ape = &a.w.ape(a.meta.positions(w.t) % a.spec.ratio, off);
+          for (int i = 0; i < np; ++i) {
+            const index_t d = parts[i] % HD;
+            if (parts[i] < HD)
+              w.row[off + d] = float(s[u][i]);
+            else
+              w.row[OUT + off + d] = float(s[u][i]) + ape[d];
+          }
         }
+        m = 0;
+      };
+      for (int p = q; p < nw; ++p) {
+        if (taken[p] || wc[p].off != off) continue;
+        taken[p] = true;
+        xs[m] = &a.x_n(wc[p].t, 0);
+        who[m] = &wc[p];
+        if (++m == kTok) flush();
       }
+      if (m > 0) flush();
     }
-    if (m > 0) flush();
-    (void)z;
   }
 
   // Golden's state values of every channel of every written candidate (its half: kv and score):

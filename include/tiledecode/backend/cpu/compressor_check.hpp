@@ -40,13 +40,18 @@ struct Written {
   float a;
 };
 
-// e^x for x <= 0 within 4e-4 relative (x below -87 gives e^-87): 2^(x log2 e) as 2^i times a
-// degree-5 Taylor polynomial of 2^f, f in [0, 1). Only a weight for the bound (kSlack covers it).
+// e^x for x <= 0 within 4e-4 relative (x below -87 gives e^-87, x >= 0 and a NaN 1 or e^-87:
+// such a row is not checked): 2^(x log2 e) as 2^i times the degree-5 Taylor polynomial of 2^f, i
+// = trunc(x log2 e) and f in (-1, 0] (the alternating series' error <= (ln 2)^6 / 6! <= 1.6e-4,
+// 3.1e-4 of 2^f >= 1/2). Only a weight for the bound (kSlack covers it). The clamps are integer
+// selects on the bits and the rounding a truncation, so the tiers' loops vectorize it (a float
+// compare or floor does not, under the default -ftrapping-math).
 __attribute__((always_inline)) inline float exp_le0(float x) {
-  x = x > -87.0f ? x : -87.0f;  // a NaN too (its row is not checked)
-  const float t = x * 1.44269504f;
-  std::int32_t i = std::int32_t(t);  // toward zero; t <= 0, so floor is i or i - 1
-  i -= std::int32_t(float(i) > t);
+  std::uint32_t u = std::bit_cast<std::uint32_t>(x);
+  u = u < 0x80000000u ? 0u : u;                           // sign clear (+0, > 0, NaN): 0
+  u = u > 0xc2ae0000u ? 0xc2ae0000u : u;                  // below -87 (-Inf, a negative NaN): -87
+  const float t = std::bit_cast<float>(u) * 1.44269504f;  // in [-125.6, 0]
+  const std::int32_t i = std::int32_t(t);
   const float f = t - float(i);
   const float p =
       1.0f +
@@ -55,35 +60,44 @@ __attribute__((always_inline)) inline float exp_le0(float x) {
   return p * std::bit_cast<float>((i + 127) << 23);
 }
 
-// bound[d] for d < hd: with w_j = e^(s_j - m) / l the window's softmax weights of channel d (m =
-// mx[d], the scores' largest, and l = ls[d] = Σ_i e^(s_i - m): the pooling's own) and p =
-// pooled[d],
-//   bound[d] = kSlack · Σ_{written j} w_j · (E_kv,j + |kv_j − p| · E_g,j),
-//   E_kv,j = κ a_j · nk_j + 2^-22 |kv_j|,  E_g,j = κ a_j · ng_j + 2^-22 (|s_j| + |ape_j|),
+// The bound of channel d < hd in two parts, its kv values' and its scores': with w_j = e^(s_j -
+// m) / l the window's softmax weights of channel d (m = mx[d], the scores' largest, and l = ls[d]
+// = Σ_i e^(s_i - m): the pooling's own) and p = pooled[d],
+//   bound[d] = kSlack · Σ_{written j} w_j · E_kv,j,  bound[hd + d] = kSlack · Σ_{written j} w_j ·
+//   |kv_j − p| · E_g,j,  E_kv,j = κ a_j · nk_j + 2^-22 |kv_j|,  E_g,j = κ a_j · ng_j + 2^-22
+//   (|s_j| + |ape_j|),
 // a_j = 2^-24 max_k |x_n[t_j, k]|: the first-order change of Σ w_j kv_j when each written kv_j
-// moves by E_kv,j and its score by E_g,j (∂/∂kv_j = w_j, ∂/∂s_j = w_j (kv_j − p)). E is the dot's
-// bound plus two FP32 roundings (the kernel's and golden's; the score's sum with ape is rounded
-// again). bound_r[d]: the same with κ_r for the RMS factor's bound.
-__attribute__((always_inline)) inline void pool_bound_body(float* bound, float* bound_r,
-                                                           const float* pooled, const float* mx,
-                                                           const float* ls, const Written* wr,
-                                                           int nw, index_t hd) {
-  for (index_t d = 0; d < hd; ++d) bound[d] = 0.0f, bound_r[d] = 0.0f;
+// moves by E_kv,j and its score by E_g,j (∂/∂kv_j = w_j, ∂/∂s_j = w_j (kv_j − p)); their sum is
+// the channel's bound. E is the dot's bound plus two FP32 roundings (the kernel's and golden's;
+// the score's sum with ape is rounded again). bound_r: the same with κ_r for the RMS factor's
+// bound. bound and bound_r hold 2 hd values.
+__attribute__((always_inline)) inline void pool_bound_body(
+    float* __restrict bound, float* __restrict bound_r, const float* __restrict pooled,
+    const float* __restrict mx, const float* __restrict ls, const Written* wr, int nw, index_t hd) {
+  for (index_t d = 0; d < 2 * hd; ++d) bound[d] = 0.0f, bound_r[d] = 0.0f;
   for (int j = 0; j < nw; ++j) {
-    const Written& w = wr[j];
-    const float ax = kKappa * w.a, axr = kKappaR * w.a;
+    // Restrict-qualified copies: the loop below vectorizes (no alias checks between the outputs
+    // and the candidate's rows).
+    const float* __restrict kv = wr[j].kv;
+    const float* __restrict score = wr[j].score;
+    const float* __restrict nk = wr[j].nk;
+    const float* __restrict ng = wr[j].ng;
+    const float* __restrict ape = wr[j].ape;
+    const float ax = kKappa * wr[j].a, axr = kKappaR * wr[j].a;
     for (index_t d = 0; d < hd; ++d) {
-      const float e = exp_le0(w.score[d] - mx[d]);
-      const float rk = 0x1p-22f * std::fabs(w.kv[d]);
-      const float rg = 0x1p-22f * (std::fabs(w.score[d]) + std::fabs(w.ape[d]));
-      const float dk = std::fabs(w.kv[d] - pooled[d]);
-      bound[d] += e * ((ax * w.nk[d] + rk) + dk * (ax * w.ng[d] + rg));
-      bound_r[d] += e * ((axr * w.nk[d] + rk) + dk * (axr * w.ng[d] + rg));
+      const float e = exp_le0(score[d] - mx[d]);
+      const float rk = 0x1p-22f * std::fabs(kv[d]);
+      const float rg = 0x1p-22f * (std::fabs(score[d]) + std::fabs(ape[d]));
+      const float dk = std::fabs(kv[d] - pooled[d]);
+      bound[d] += e * (ax * nk[d] + rk);
+      bound[hd + d] += e * (dk * (ax * ng[d] + rg));
+      bound_r[d] += e * (axr * nk[d] + rk);
+      bound_r[hd + d] += e * (dk * (axr * ng[d] + rg));
     }
   }
-  for (index_t d = 0; d < hd; ++d) {
-    bound[d] = bound[d] / ls[d] * kSlack;
-    bound_r[d] = bound_r[d] / ls[d] * kSlack;
+  for (index_t d = 0; d < 2 * hd; ++d) {
+    bound[d] = bound[d] / ls[d % hd] * kSlack;
+    bound_r[d] = bound_r[d] / ls[d % hd] * kSlack;
   }
 }
 

@@ -527,7 +527,7 @@ struct backend_ops_qkv_projection {
     const bf16* x = a.x_n.data() + t * a.x_n.stride(0);
     const QkvBf16Rows* rows = a.w.bf16_rows;
     if (rows) {
-      const bf16* rp[kMaxHeadDim];
+      const bf16* rp[kMaxHeadDim] = {};  // (= {}: GCC 12 takes a const pointer for a read of all)
       double s[kMaxHeadDim];
       for (int i = 0; i < n; ++i)
         rp[i] = rows->data.data() + std::size_t(rows->q_rows + ch[i]) * std::size_t(D);

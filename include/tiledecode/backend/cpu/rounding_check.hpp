@@ -50,8 +50,8 @@ void repair(Isa isa, const Repairs& rep, index_t d, XOf x_of, WOf w_of, Store st
             index_t ws = 1) {
   for (int i = 0; i < rep.n; i += kPairDots) {
     const int n = std::min(kPairDots, rep.n - i);
-    const bf16* xp[kPairDots];
-    const bf16* wp[kPairDots];
+    const bf16* xp[kPairDots] = {};
+    const bf16* wp[kPairDots] = {};
     double s[kPairDots];
     for (int j = 0; j < n; ++j) {
       xp[j] = x_of(rep.t[i + j], rep.r[i + j]);
@@ -152,6 +152,12 @@ inline float bf16_abs_max(const bf16* x, index_t k) {
   return bf16::from_bits(m).to_float();
 }
 
+// Whether golden's value, within w of v (w >= 0), can round to another BF16 value than v through
+// FP32: bf16(fp32(v − w)) != bf16(fp32(v + w)) (both roundings are monotone), or w is NaN or huge.
+inline bool bf16_splits(double v, double w) {
+  return !(w <= 1e300) || bf16(float(v - w)).bits != bf16(float(v + w)).bits;
+}
+
 // The BF16 rows (the compressors' y, kv): a row u (hd values, the last rope_dim rotated by the
 // interleaved RoPE pairs at cos/sin into y) that a BF16 rounding follows, whose values are within
 // own(i) + |u_i| · rho of golden's before the rotation (own: the value's own bound; rho: the
@@ -164,10 +170,7 @@ inline float bf16_abs_max(const bf16* x, index_t k) {
 template <class Own, class U, class Y>
 int list_bf16_row(index_t hd, index_t rope_dim, const bf16* cos, const bf16* sin, double rho,
                   double slack, Own own, U u_abs, Y y, int* ch, int max) {
-  const auto boundary = [&](double v, double w) {
-    w *= 1.0 + slack;
-    return !(w <= 1e300) || bf16(float(v - w)).bits != bf16(float(v + w)).bits;
-  };
+  const auto boundary = [&](double v, double w) { return bf16_splits(v, w * (1.0 + slack)); };
   int n = 0;
   const auto add = [&](index_t i) {
     if (n <= max) ch[std::min(n, max)] = int(i);
