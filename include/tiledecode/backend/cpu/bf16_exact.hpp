@@ -33,9 +33,9 @@
 //         rounding checks' repairs): the lanes on 8 rows, each 8 × 8 block of BF16 transposed in
 //         registers (24 unpacks) and widened, a broadcast multiply-add per token and k. AVX-512:
 //         32 rows per tile, AVX2: 8 (two vectors, two tokens at a time; the transpose's last
-//         stage folded into the widening, Tier::few_block8). The rows
-//         and the tokens by pointer, so bf16_rows_gather_dots_exact runs it too (a few tokens
-//         against any rows: the rounding checks' repairs).
+//         stage folded into the widening, Tier::few_block8). The rows and the tokens by
+//         pointer, so bf16_rows_gather_dots_exact runs it too (a few tokens against any rows:
+//         the rounding checks' repairs).
 //   cols  w[k·ld_w + n] (a weight column per output; the q/kv wq_a / wkv): the lanes on 8 (4)
 //         columns, each token's x[k] broadcast. AVX-512: 3 column vectors × 8 tokens per tile,
 //         AVX2: 3 × 4.
@@ -275,8 +275,8 @@ __attribute__((always_inline)) inline void rows_driver(float* out, index_t ld_ou
 // and group of 8 rows the block transposed (transpose8x8_bf16) and Tier::few_step<NT>(acc[.][v],
 // c[j], xd, k + j) per k: acc[t][v] += the group's 8 weights at k, widened, times x[t][k], for t <
 // NT. NG (<= Tier::kFewVecs) is a template argument so that the loops over groups and tokens
-// unroll and the sums stay in registers (indexed at run time, they went through the stack: a
-// store and a reload in each chain's every step, 4x slower on a Zen 3). Tier provides kFewVecs
+// unroll with constant indices into the sums. A full block goes through Tier::few_block8 (the
+// same steps, the tier's transpose). Tier provides kFewVecs
 // (groups per tile), FewAcc, few_zero(acc), few_step and few_store(a, acc) (the group's 8 sums
 // into a[0..8)). Always inlined into the tier's entry points.
 template <class Tier, int NT, int NG, class Put>

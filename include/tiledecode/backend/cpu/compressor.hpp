@@ -362,25 +362,24 @@ struct backend_ops_compressor {
   //     Y_odd and back), plus 2^-40 |y_i| for the double arithmetic; listed when
   //     bf16(fp32(y_i − Y_i)) != bf16(fp32(y_i + Y_i)) (the two roundings are monotone, so golden's
   //     y, within Y_i, rounds as y does otherwise).
-  // Repairs (a part: one weight row's dots for every written candidate, its bound then 0; the
-  // channel re-pooled by the scalar twin, the tiers' bits; repair_parts: the candidates of one
-  // half through the rows together), in three steps. First, while a listed channel has a part
-  // left: those parts (own_parts: of a channel with both, the larger alone where the value, with
-  // the smaller one's bound, holds no boundary; both otherwise), listed again after each, up to
-  // half the parts. Then, while a value is still listed (ρ: golden's r needs more channels),
-  // rounds of kRhoBatch channels, a listed one not yet repaired first, then the largest shares
-  // of ρ's sum of squares (next_channels), each round listed again, up to half the parts; past
-  // that, every channel of every written candidate (bf16_rows_dot_exact, a pass over the half's
-  // weight rows per run of consecutive tokens), and the row is pooled again. A part reads one
-  // weight row (the full repair: all 2 · head_dim of the half), so the steps save what they
+  // Repairs (a part: one weight row's dots for every written candidate, its bound then 0; its
+  // 8-channel block re-pooled by the tier's kernel, every tier's bits; repair_parts: the
+  // candidates of one half through the rows together), in three steps. First, while a listed
+  // channel has a part left: those parts (own_parts: of a channel with both, the larger alone where
+  // the value, with the smaller one's bound, holds no boundary; both otherwise), listed again after
+  // each, up to half the parts. Then, while a value is still listed (ρ: golden's r needs more
+  // channels), rounds of kRhoBatch channels, a listed one not yet repaired first, then the largest
+  // shares of ρ's sum of squares (next_channels), each round listed again, up to half the parts;
+  // past that, every channel of every written candidate (bf16_rows_dot_exact, a pass over the
+  // half's weight rows per run of consecutive tokens), and the row is pooled again. A part reads
+  // one weight row (the full repair: all 2 · head_dim of the half), so the steps save what they
   // leave out: on bench_compressor's live windows no row went past them (CSA: 2.8 channels a row
   // on average in the rounds, where 4.7 % of rows took all 512 before; docs/compressors.md). The
-  // pooling hands the
-  // check its softmax max and weight sum per channel (ws.mx, ws.ls), so the bound costs an exp per
-  // written candidate and channel only. The repaired state values are golden's, and they stay in
-  // the pool. A row with a non-finite y is not checked (its policy is the kernel's). Opt-in
-  // (CompressorWeights::row_norms): its cost exceeds the 5 % budget on steps that close windows.
-  // Cost and rates: docs/compressors.md ("Rounding accuracy").
+  // pooling hands the check its softmax max and weight sum per channel (ws.mx, ws.ls), so the
+  // bound costs an exp per written candidate and channel only. The repaired state values are
+  // golden's, and they stay in the pool. A row with a non-finite y is not checked (its policy is
+  // the kernel's). Opt-in (CompressorWeights::row_norms): its cost exceeds the 5 % budget on steps
+  // that close windows. Cost and rates: docs/compressors.md ("Rounding accuracy").
   static constexpr int kMaxChannels = 32;  // channel repairs per row; past that, every channel
   static constexpr int kRhoBatch = 16;     // channels per round of the repairs for ρ
 
@@ -564,10 +563,11 @@ struct backend_ops_compressor {
     return ws.bound[d] != 0.0f || ws.bound[HD + d] != 0.0f || ws.bound_r[d] != 0.0f ||
            ws.bound_r[HD + d] != 0.0f;
   }
-  // The next channels to repair for ρ (check_rounding): the listed ones (ch[0 .. nch)) not yet
-  // repaired, then the rest by their share of ρ's sum, (p_d · bound_r[d])², largest first (ties:
-  // the lower channel), up to kRhoBatch in all; a repaired channel's bounds are 0, as are those of
-  // a channel with nothing to repair. Returns their number (0: no channel has a share left).
+  // The next channels to repair for ρ (check_rounding): the listed ones (ch[0 .. nch)) with a part
+  // left, then the rest by their share of ρ's sum, (p_d · (bound_r[d] + bound_r[HD + d]))²,
+  // largest first (ties: the lower channel), up to kRhoBatch in all; a repaired part's bounds are
+  // 0, as are those of a part with nothing to repair. Returns their number (0: no channel has a
+  // share left).
   static int next_channels(const Ws& ws, index_t HD, const int* ch, int nch, int* next) {
     int m = 0;
     for (int i = 0; i < nch && m < kRhoBatch; ++i)
