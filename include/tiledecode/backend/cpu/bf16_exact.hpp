@@ -276,10 +276,11 @@ __attribute__((always_inline)) inline void rows_driver(float* out, index_t ld_ou
 // c[j], xd, k + j) per k: acc[t][v] += the group's 8 weights at k, widened, times x[t][k], for t <
 // NT. NG (<= Tier::kFewVecs) is a template argument so that the loops over groups and tokens
 // unroll with constant indices into the sums. A full block goes through Tier::few_block8 (the
-// same steps, the tier's transpose). Tier provides kFewVecs
+// same steps, the tier's transpose; H: the last group has at most 4 rows, which the tier may
+// step alone, the padding rows' sums left out). Tier provides kFewVecs
 // (groups per tile), FewAcc, few_zero(acc), few_step and few_store(a, acc) (the group's 8 sums
 // into a[0..8)). Always inlined into the tier's entry points.
-template <class Tier, int NT, int NG, class Put>
+template <class Tier, int NT, int NG, bool H = false, class Put>
 __attribute__((always_inline)) inline void few_tile(const bf16* const* rows, int nr,
                                                     const bf16* const* xs, index_t d, Put&& put) {
   alignas(64) double xd[NT * kFewBlockK];
@@ -301,7 +302,10 @@ __attribute__((always_inline)) inline void few_tile(const bf16* const* rows, int
       for (int v = 0; v < NG; ++v) {
         __m128i c[8];
         if (n == 8) {
-          Tier::template few_block8<NT, NG>(acc, v, rp + 8 * v, k0 + k, xd, k);
+          if (H && v == NG - 1)  // the last group's rows 4-7 are padding
+            Tier::template few_block8<NT, NG, true>(acc, v, rp + 8 * v, k0 + k, xd, k);
+          else
+            Tier::template few_block8<NT, NG, false>(acc, v, rp + 8 * v, k0 + k, xd, k);
         } else {
           transpose8x8_bf16_tail(c, rp + 8 * v, k0 + k, n);
           for (int j = 0; j < int(n); ++j) Tier::template few_step<NT, NG>(acc, v, c[j], xd, k + j);
@@ -460,7 +464,7 @@ struct Tier {
       acc[t][v] = _mm512_fmadd_pd(wv, _mm512_set1_pd(xd[t * kFewBlockK + k]), acc[t][v]);
   }
   // few_step for the 8 k of a full 8 × 8 block at pos (x at xd[kx ..]).
-  template <int NT, int NG>
+  template <int NT, int NG, bool H>  // H: no shorter form here (8 rows a vector)
   TILEDECODE_TARGET_AVX512 static void few_block8(FewAcc (*acc)[NG], int v, const bf16* const* rows,
                                                   index_t pos, const double* xd, index_t kx) {
     __m128i c[8];
@@ -661,18 +665,20 @@ struct Tier {
   // few_step for the 8 k of a full 8 × 8 block at pos (x at xd[kx ..]), the transpose's last
   // stage left out: after the 16- and 32-bit interleaves h[j] (h[4 + j]) holds rows 0-3 (4-7) at
   // k = 2j and 2j + 1, which the widening's unpacks with zero take apart (32 shuffles a block
-  // instead of 40).
-  template <int NT, int NG>
+  // instead of 40). H: rows 0-3 alone (half the shuffles, conversions and multiply-adds; the
+  // sums of rows 4-7 are left at +0: padding).
+  template <int NT, int NG, bool H>
   TILEDECODE_TARGET_AVX2 static void few_block8(FewAcc (*acc)[NG], int v, const bf16* const* rows,
                                                 index_t pos, const double* xd, index_t kx) {
+    constexpr int R = H ? 4 : 8;
     __m128i a[8], b[8], h[8];
-    for (int r = 0; r < 8; ++r)
+    for (int r = 0; r < R; ++r)
       a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + pos));
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < R / 2; ++i) {
       b[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
       b[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
     }
-    for (int g = 0; g < 2; ++g)
+    for (int g = 0; g < R / 4; ++g)
       for (int q = 0; q < 2; ++q) {
         h[4 * g + 2 * q] = _mm_unpacklo_epi32(b[4 * g + q], b[4 * g + q + 2]);
         h[4 * g + 2 * q + 1] = _mm_unpackhi_epi32(b[4 * g + q], b[4 * g + q + 2]);
@@ -683,15 +689,22 @@ struct Tier {
 #pragma GCC unroll 2
       for (int e = 0; e < 2; ++e) {
         const __m128i r03 = e ? _mm_unpackhi_epi16(z, h[j]) : _mm_unpacklo_epi16(z, h[j]);
-        const __m128i r47 = e ? _mm_unpackhi_epi16(z, h[4 + j]) : _mm_unpacklo_epi16(z, h[4 + j]);
-        const __m256d lo = _mm256_cvtps_pd(_mm_castsi128_ps(r03)),
-                      hi = _mm256_cvtps_pd(_mm_castsi128_ps(r47));
+        const __m256d lo = _mm256_cvtps_pd(_mm_castsi128_ps(r03));
         const index_t k = kx + 2 * j + e;
+        if constexpr (H) {
 #pragma GCC unroll 2
-        for (int t = 0; t < NT; ++t) {
-          const __m256d xb = _mm256_broadcast_sd(xd + t * kFewBlockK + k);
-          acc[t][v].lo = _mm256_fmadd_pd(lo, xb, acc[t][v].lo);
-          acc[t][v].hi = _mm256_fmadd_pd(hi, xb, acc[t][v].hi);
+          for (int t = 0; t < NT; ++t)
+            acc[t][v].lo =
+                _mm256_fmadd_pd(lo, _mm256_broadcast_sd(xd + t * kFewBlockK + k), acc[t][v].lo);
+        } else {
+          const __m128i r47 = e ? _mm_unpackhi_epi16(z, h[4 + j]) : _mm_unpacklo_epi16(z, h[4 + j]);
+          const __m256d hi = _mm256_cvtps_pd(_mm_castsi128_ps(r47));
+#pragma GCC unroll 2
+          for (int t = 0; t < NT; ++t) {
+            const __m256d xb = _mm256_broadcast_sd(xd + t * kFewBlockK + k);
+            acc[t][v].lo = _mm256_fmadd_pd(lo, xb, acc[t][v].lo);
+            acc[t][v].hi = _mm256_fmadd_pd(hi, xb, acc[t][v].hi);
+          }
         }
       }
   }
@@ -703,10 +716,16 @@ struct Tier {
   TILEDECODE_TARGET_AVX2 static void few(const bf16* const* xs, const bf16* const* rows, int nr,
                                          index_t d, Put&& put) {
     with_static_count<kFewVecs>((nr + 7) / 8, [&]<int NG>() TILEDECODE_TARGET_AVX2 {
-      few_tile<Tier, std::min(NT, 2), NG>(rows, nr, xs, d, put);
-      if constexpr (NT > 2)
-        few_tile<Tier, NT - 2, NG>(rows, nr, xs + 2, d,
-                                   [&](int t, int r, double v) { put(t + 2, r, v); });
+      const auto tiles = [&]<bool H>() TILEDECODE_TARGET_AVX2 {
+        few_tile<Tier, std::min(NT, 2), NG, H>(rows, nr, xs, d, put);
+        if constexpr (NT > 2)
+          few_tile<Tier, NT - 2, NG, H>(rows, nr, xs + 2, d,
+                                        [&](int t, int r, double v) { put(t + 2, r, v); });
+      };
+      if (nr - 8 * (NG - 1) <= 4)
+        tiles.template operator()<true>();
+      else
+        tiles.template operator()<false>();
     });
   }
   template <int NT>
