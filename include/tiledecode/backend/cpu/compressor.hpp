@@ -417,6 +417,14 @@ struct backend_ops_compressor {
     index_t off;  // its half (0 or head_dim)
   };
 
+  // Value i of y as the check sees it (y's double, y + y_lo), and |r · norm_w[i]|, the scale from
+  // a pooled value's bound to y's (listed_channels and own_parts).
+  static double y_of(const Ws& ws, index_t i) {
+    return double(ws.y[i]) + double(ws.y_lo[i]);
+  }
+  static double y_scale(const Lane& z, const kernels::CompressorArgs& a, index_t i) {
+    return std::fabs(z.r * double(a.w.norm_w(i).to_float()));
+  }
   // Channel d's bound from both parts (b: ws.bound or ws.bound_r).
   static double both_parts(const float* b, index_t HD, index_t d) {
     return double(b[d]) + double(b[HD + d]);
@@ -437,12 +445,11 @@ struct backend_ops_compressor {
     const double ss = (ss4[0] + ss4[1]) + (ss4[2] + ss4[3]), q = (q4[0] + q4[1]) + (q4[2] + q4[3]);
     const double rho = std::sqrt(q) / (ss + double(HD) * double(a.cfg->rms_eps));
     if (rho_out) *rho_out = rho;
-    const auto nw = [&](index_t i) { return std::fabs(z.r * double(a.w.norm_w(i).to_float())); };
     return rounding_check::list_bf16_row(
         HD, kRopeDim, a.rope.cos_row(rope_pos), a.rope.sin_row(rope_pos), rho, 0.0,
-        [&](index_t i) { return nw(i) * both_parts(ws.bound, HD, i); },
-        [&](index_t i) { return std::fabs(pooled(i)) * nw(i); },
-        [&](index_t i) { return double(ws.y[i]) + double(ws.y_lo[i]); }, ch, kMaxChannels);
+        [&](index_t i) { return y_scale(z, a, i) * both_parts(ws.bound, HD, i); },
+        [&](index_t i) { return std::fabs(pooled(i)) * y_scale(z, a, i); },
+        [&](index_t i) { return y_of(ws, i); }, ch, kMaxChannels);
   }
 
   static void check_rounding(Lane& z, const kernels::CompressorArgs& a, index_t b, index_t c) {
@@ -544,9 +551,9 @@ struct backend_ops_compressor {
       const bool kv_left = bk != 0.0f || ws.bound_r[d] != 0.0f,
                  g_left = bg != 0.0f || ws.bound_r[HD + d] != 0.0f;
       if (kv_left && g_left && d < HD - int(kRopeDim)) {
-        const double y = double(ws.y[d]) + double(ws.y_lo[d]);
-        const double nw = std::fabs(z.r * double(a.w.norm_w(d).to_float()));
-        const double w = nw * double(std::min(bk, bg)) + std::fabs(y) * (rho + 0x1p-40);
+        const double y = y_of(ws, d);  // list_bf16_row's test off the RoPE pairs, slack 0
+        const double w =
+            y_scale(z, a, d) * double(std::min(bk, bg)) + std::fabs(y) * (rho + 0x1p-40);
         if (!rounding_check::bf16_splits(y, w)) {
           parts[m++] = bg > bk ? HD + d : d;
           continue;
