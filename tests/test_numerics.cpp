@@ -29,6 +29,7 @@
 #include "common/random.hpp"
 #include "common/sparse_attn_fixture.hpp"
 #include "tiledecode/backend/cpu/bf16_exact.hpp"
+#include "tiledecode/backend/cpu/bf16_rounded.hpp"
 #include "tiledecode/backend/cpu/compressor.hpp"
 #include "tiledecode/backend/cpu/context.hpp"
 #include "tiledecode/backend/cpu/hyper_connection.hpp"
@@ -140,6 +141,15 @@ void fill_int8(std::span<std::int8_t> v, std::uint64_t seed) {  // [-127, 127]
 void fill_bf16(std::span<bf16> v, std::uint64_t seed, float lo, float hi) {
   Mix m{seed};
   for (auto& x : v) x = bf16(m.uniform(lo, hi));
+}
+// Six special BF16 values (±0, the smallest subnormal, a negative subnormal, ±Inf, a NaN) at
+// random places of x and of w (the exact dots' cases).
+void plant_specials(std::span<bf16> x, std::span<bf16> w, Mix& m) {
+  for (int i = 0; i < 6; ++i) {
+    const std::uint16_t bits[] = {0x0000, 0x0001, 0x8040, 0x7f80, 0xff80, 0x7fc1};
+    x[std::size_t(m.next() % x.size())].bits = bits[i];
+    w[std::size_t(m.next() % w.size())].bits = bits[(i + 3) % 6];
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -258,11 +268,7 @@ TEST(ExactDots, PairDotsAreTheSequentialDoubleSumOnEveryTier) {
           wj[d - 1] = bf16(-big);
         }
       } else {
-        for (int i = 0; i < 6; ++i) {
-          const std::uint16_t bits[] = {0x0000, 0x0001, 0x8040, 0x7f80, 0xff80, 0x7fc1};
-          x[std::size_t(m.next() % x.size())].bits = bits[i];
-          w[std::size_t(m.next() % w.size())].bits = bits[(i + 3) % 6];
-        }
+        plant_specials(x, w, m);
       }
       // The same weights as columns of a (d, P) matrix (the q-latent's repairs from wq_a): pair j
       // reads column 2j + 1 (every other one: neighbours share cache lines), P odd.
@@ -325,11 +331,7 @@ TEST(ExactDots, GatheredRowsAreTheSequentialDoubleSumOnEveryTier) {
           wr[0] = bf16(1.0f), wr[d / 2] = bf16(big), wr[d - 1] = bf16(-big);
         }
       } else {
-        for (int i = 0; i < 6; ++i) {
-          const std::uint16_t bits[] = {0x0000, 0x0001, 0x8040, 0x7f80, 0xff80, 0x7fc1};
-          x[std::size_t(m.next() % x.size())].bits = bits[i];
-          w[std::size_t(m.next() % w.size())].bits = bits[(i + 3) % 6];
-        }
+        plant_specials(x, w, m);
       }
       std::vector<const bf16*> rows(static_cast<std::size_t>(n)), xs(static_cast<std::size_t>(nt));
       for (int j = 0; j < n; ++j) rows[std::size_t(j)] = w.data() + index_t(m.next() % R) * ld;
@@ -360,6 +362,104 @@ TEST(ExactDots, GatheredRowsAreTheSequentialDoubleSumOnEveryTier) {
       ++cases;
     }
   EXPECT_EQ(cases, 70);
+}
+
+// bf16_rows_gather_dots_rounded (backend/cpu/bf16_rounded.hpp: the compressors' repairs): each
+// float(bf16_dot_exact) bit for bit, on every tier this CPU has, on the gathered kernel's cases
+// (nt 1-6: passes of 1-4 tokens, the avx2 kernel's 4 and 2-vector lanes; n around its 16-row
+// chunks; d around its 8 / 16-k steps and 512-k blocks, with a tail), the rows' norms their
+// upper bounds (bf16_norm_bound), +Inf for every third row (golden's order there). The planted
+// order-sensitive products (every other case from d = 33) make the lanes' sum differ from
+// golden's: a kernel that keeps it without its certificate fails there. Then 8192 dots at the
+// compressors' statistics (N(0, 1) x, N(0, 0.02) weights, d = 4096), where most are certified and
+// some go to golden's order: every one golden's float.
+TEST(ExactDots, RoundedGatheredRowsAreGoldensFloatOnEveryTier) {
+  Mix m{131};
+  int cases = 0;
+  for (int n : {0, 1, 7, 16, 17, 33})
+    for (index_t d : {1, 7, 8, 9, 17, 63, 513, 1031, 4096}) {
+      const index_t ld = d + 3, R = 40, X = 7;
+      const int nt = 1 + cases % 6;
+      std::vector<bf16> x(static_cast<std::size_t>(X * d)), w(static_cast<std::size_t>(R * ld));
+      fill_bf16(x, m.next(), -2.0f, 2.0f);
+      fill_bf16(w, m.next(), -0.1f, 0.1f);
+      if (d >= 33 && cases % 2 == 1) {
+        // Products 2^60 at k = 0 and -2^60 at k2 (a multiple of 16: the same lane of the avx2
+        // kernel's 8 or 16): golden's sum loses every product before k2 (each below 2^60's
+        // half ulp, 64) and is the sum of those after it; the lanes keep the other lanes' sums.
+        const float big = 1073741824.0f;  // 2^30
+        const index_t k2 = 16 * ((d - 1) / 32);
+        for (index_t i = 0; i < X; ++i) {
+          bf16* xi = x.data() + i * d;
+          xi[0] = xi[k2] = bf16(big);
+        }
+        for (index_t r = 0; r < R; ++r) {
+          bf16* wr = w.data() + r * ld;
+          wr[0] = bf16(big), wr[k2] = bf16(-big);
+        }
+      } else {
+        plant_specials(x, w, m);
+      }
+      std::vector<const bf16*> rows(static_cast<std::size_t>(n)), xs(static_cast<std::size_t>(nt));
+      std::vector<float> norms(static_cast<std::size_t>(n));
+      for (int j = 0; j < n; ++j) {
+        const bf16* r = w.data() + index_t(m.next() % R) * ld;
+        rows[std::size_t(j)] = r;
+        norms[std::size_t(j)] = j % 3 == 2 ? kInf : td::bf16_norm_bound(r, d);
+      }
+      for (int t = 0; t < nt; ++t) xs[std::size_t(t)] = x.data() + index_t(m.next() % X) * d;
+      const index_t ld_o = n + 2;
+      for (Isa isa : tiers()) {
+        std::vector<float> o(static_cast<std::size_t>(nt * ld_o), -1.0f);
+        td::cpu::bf16_rows_gather_dots_rounded(isa, nt, xs.data(), n, rows.data(), norms.data(), d,
+                                               o.data(), ld_o);
+        long bad = 0, past = 0;
+        for (int t = 0; t < nt; ++t) {
+          for (int j = 0; j < n; ++j) {
+            const float e =
+                float(td::cpu::bf16_dot_exact(xs[std::size_t(t)], rows[std::size_t(j)], d));
+            const float a = o[std::size_t(t * ld_o + j)];
+            bad += std::isnan(e)
+                       ? !std::isnan(a)
+                       : std::bit_cast<std::uint32_t>(a) != std::bit_cast<std::uint32_t>(e);
+          }
+          past +=
+              o[std::size_t(t * ld_o + n)] != -1.0f || o[std::size_t(t * ld_o + n + 1)] != -1.0f;
+        }
+        EXPECT_EQ(bad, 0) << name(isa) << " nt " << nt << " n " << n << " d " << d;
+        EXPECT_EQ(past, 0) << "past n: written";
+      }
+      ++cases;
+    }
+  EXPECT_EQ(cases, 54);
+
+  // The compressors' statistics: 2 tokens against 64 rows, 64 times.
+  const index_t d = 4096;
+  tdtest::Rng rng(5);
+  std::vector<bf16> x(static_cast<std::size_t>(2 * d)), w(static_cast<std::size_t>(64 * d));
+  std::vector<const bf16*> rows(64);
+  std::vector<float> norms(64);
+  long bad = 0, dots = 0;
+  for (int rep = 0; rep < 64; ++rep) {
+    rng.fill_normal(std::span<bf16>(x), 1.0f);
+    rng.fill_normal(std::span<bf16>(w), 0.02f);
+    for (int j = 0; j < 64; ++j) {
+      rows[std::size_t(j)] = w.data() + j * d;
+      norms[std::size_t(j)] = td::bf16_norm_bound(rows[std::size_t(j)], d);
+    }
+    const bf16* xs[2] = {x.data(), x.data() + d};
+    for (Isa isa : tiers()) {
+      std::vector<float> o(2 * 64, -1.0f);
+      td::cpu::bf16_rows_gather_dots_rounded(isa, 2, xs, 64, rows.data(), norms.data(), d, o.data(),
+                                             64);
+      for (int t = 0; t < 2; ++t)
+        for (int j = 0; j < 64; ++j, ++dots)
+          bad += std::bit_cast<std::uint32_t>(o[std::size_t(t * 64 + j)]) !=
+                 std::bit_cast<std::uint32_t>(
+                     float(td::cpu::bf16_dot_exact(xs[t], rows[std::size_t(j)], d)));
+    }
+  }
+  EXPECT_EQ(bad, 0) << "of " << dots;
 }
 
 // ---------------------------------------------------------------------------------------------

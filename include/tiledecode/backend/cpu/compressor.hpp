@@ -21,6 +21,7 @@
 
 #include "tiledecode/backend/cpu/backend.hpp"
 #include "tiledecode/backend/cpu/bf16_exact.hpp"
+#include "tiledecode/backend/cpu/bf16_rounded.hpp"
 #include "tiledecode/backend/cpu/bf16_rows_avx512.hpp"
 #include "tiledecode/backend/cpu/compressor_avx2.hpp"
 #include "tiledecode/backend/cpu/compressor_avx512.hpp"
@@ -93,6 +94,8 @@ struct CompressorWorkspace {
   float* bound_r;   // (2 head_dim) the same with κ_r, for the RMS factor's bound
   float* mx;        // (head_dim) the rounding check: the pooling's softmax max per channel
   float* ls;        // (head_dim) the rounding check: its weight sum Σ e^(s - max), FP32
+  float* nw;        // (head_dim) the rounding check: norm_w as FP32
+  std::int32_t* hit;      // (head_dim) the rounding check: the listing's flags per value
   std::int32_t* written;  // (T) the rounding check: tokens sorted by (state slot, t)
 };
 
@@ -110,7 +113,9 @@ inline CompressorWorkspace carve_workspace(const ModelConfig& cfg, const Compres
   w.bound_r = w.bound + ws_round(2 * spec.head_dim);
   w.mx = w.bound_r + ws_round(2 * spec.head_dim);
   w.ls = w.mx + ws_round(spec.head_dim);
-  w.written = reinterpret_cast<std::int32_t*>(w.ls + ws_round(spec.head_dim));
+  w.nw = w.ls + ws_round(spec.head_dim);
+  w.hit = reinterpret_cast<std::int32_t*>(w.nw + ws_round(spec.head_dim));
+  w.written = w.hit + ws_round(spec.head_dim);
   return w;
 }
 
@@ -365,9 +370,9 @@ struct backend_ops_compressor {
   // Repairs (a part: one weight row's dots for every written candidate, its bound then 0; its
   // 8-channel block re-pooled by the tier's kernel, every tier's bits; repair_parts: the
   // candidates of one half through the rows together), in three steps. First, while a listed
-  // channel has a part left: those parts (own_parts: of a channel with both, the larger alone where
-  // the value, with the smaller one's bound, holds no boundary; both otherwise), listed again after
-  // each, up to half the parts. Then, while a value is still listed (ρ: golden's r needs more
+  // channel has a part left: those parts (own_parts: per listed value its parts, a RoPE pair's
+  // four, largest first until the value with the rest's bounds holds no boundary), listed again
+  // after each, up to half the parts. Then, while a value is still listed (ρ: golden's r needs more
   // channels), rounds of kRhoBatch channels, a listed one not yet repaired first, then the largest
   // shares of ρ's sum of squares (next_channels), each round listed again, up to half the parts;
   // past that, every channel of every written candidate (bf16_rows_dot_exact, a pass over the
@@ -431,25 +436,25 @@ struct backend_ops_compressor {
   }
   // The channels of the values of y whose interval holds a BF16 rounding boundary (the RoPE
   // pairs: both), in ch; returns their number, or kMaxChannels + 1 past kMaxChannels. rho: ρ.
+  // The test is rounding_check::list_bf16_row's, as compressor_check::list_row (the same
+  // arithmetic, vectorized by the tier's target, into ws.hit).
   static int listed_channels(const Lane& z, const kernels::CompressorArgs& a, index_t rope_pos,
                              int* ch, double* rho_out = nullptr) {
     const index_t HD = a.spec.head_dim;
     const Ws& ws = z.ws;
-    const auto pooled = [&](index_t i) { return double(ws.pooled[i]) + double(ws.z[i]); };
-    double ss4[4] = {}, q4[4] = {};  // four chains each (HD % 8 == 0), added in a fixed order
-    for (index_t i = 0; i < HD; ++i) {
-      const double p = pooled(i), e = p * both_parts(ws.bound_r, HD, i);
-      ss4[i % 4] += p * p;
-      q4[i % 4] += e * e;
-    }
-    const double ss = (ss4[0] + ss4[1]) + (ss4[2] + ss4[3]), q = (q4[0] + q4[1]) + (q4[2] + q4[3]);
+    double ss = 0.0, q = 0.0;  // four chains each (HD % 8 == 0), added in a fixed order
+    compressor_check::rho_sums(I, ws.pooled, ws.z, ws.bound_r, HD, &ss, &q);
     const double rho = std::sqrt(q) / (ss + double(HD) * double(a.cfg->rms_eps));
     if (rho_out) *rho_out = rho;
-    return rounding_check::list_bf16_row(
-        HD, kRopeDim, a.rope.cos_row(rope_pos), a.rope.sin_row(rope_pos), rho, 0.0,
-        [&](index_t i) { return y_scale(z, a, i) * both_parts(ws.bound, HD, i); },
-        [&](index_t i) { return std::fabs(pooled(i)) * y_scale(z, a, i); },
-        [&](index_t i) { return y_of(ws, i); }, ch, kMaxChannels);
+    compressor_check::list_row(I, ws.hit, ws.y, ws.y_lo, ws.pooled, ws.z, ws.bound, ws.nw, z.r, rho,
+                               a.rope.cos_row(rope_pos), a.rope.sin_row(rope_pos), HD, kRopeDim);
+    int n = 0;
+    for (index_t i = 0; i < HD; ++i) {
+      if (!ws.hit[i]) continue;
+      if (n <= kMaxChannels) ch[n] = int(i);
+      if (++n > kMaxChannels) return kMaxChannels + 1;
+    }
+    return n;
   }
 
   static void check_rounding(Lane& z, const kernels::CompressorArgs& a, index_t b, index_t c) {
@@ -459,6 +464,7 @@ struct backend_ops_compressor {
     const Ws& ws = z.ws;
     for (index_t i = 0; i < HD; ++i)
       if (!std::isfinite(ws.y[i])) return;
+    for (index_t i = 0; i < HD; ++i) ws.nw[i] = a.w.norm_w(i).to_float();  // for listed_channels
     const float* kv[2 * 128];
     const float* sc[2 * 128];
     std::int64_t rows[2 * 128];
@@ -506,7 +512,7 @@ struct backend_ops_compressor {
     };
     int parts[2 * kMaxChannels], done = 0;  // parts repaired
     while (nch > 0 && nch <= kMaxChannels && done < HD) {
-      const int m = own_parts(z, a, rho, ch, nch, parts);
+      const int m = own_parts(z, a, rope_pos, rho, ch, nch, parts);
       if (m == 0) break;
       repair(parts, m);
       done += m;
@@ -535,32 +541,66 @@ struct backend_ops_compressor {
   }
 
   // The parts to repair of the listed channels ch[0 .. nch) (part p < HD: channel p's kv values
-  // in every written candidate, from wkv's row; HD + d: channel d's scores, from wgate's): each
-  // listed channel's parts with a bound left, except that of a channel with both whose value,
-  // with the smaller part's bound alone, holds no BF16 boundary (list_bf16_row's test, at the
-  // same ρ), only the larger (ties: kv) is taken; a RoPE channel (its value rotated with its
-  // pair's) takes both. A channel's parts are adjacent. Returns their number (0: none left).
-  static int own_parts(const Lane& z, const kernels::CompressorArgs& a, double rho, const int* ch,
-                       int nch, int* parts) {
-    const int HD = int(a.spec.head_dim);
+  // in every written candidate, from wkv's row; HD + d: channel d's scores, from wgate's): per
+  // listed value, its parts with a bound left (a channel's two; a RoPE pair's four: the pair's
+  // values are rotated together) largest first (its bound times its channel's scale |r · norm_w|;
+  // ties: channel e's before e + 1's, kv before score), until the value, with the bounds of the
+  // parts not taken, holds no BF16 boundary (list_bf16_row's test, at the same ρ; a pair: both
+  // values); all of them otherwise. A listed pair is both its channels, adjacent in ch, taken once.
+  // Returns their number (0: none left).
+  static int own_parts(const Lane& z, const kernels::CompressorArgs& a, index_t rope_pos,
+                       double rho, const int* ch, int nch, int* parts) {
+    const int HD = int(a.spec.head_dim), nope = HD - int(kRopeDim);
     const Ws& ws = z.ws;
+    const auto has = [&](int p) { return ws.bound[p] != 0.0f || ws.bound_r[p] != 0.0f; };
     int m = 0;
     for (int i = 0; i < nch; ++i) {
       const int d = ch[i];
-      const float bk = ws.bound[d], bg = ws.bound[HD + d];
-      const bool kv_left = bk != 0.0f || ws.bound_r[d] != 0.0f,
-                 g_left = bg != 0.0f || ws.bound_r[HD + d] != 0.0f;
-      if (kv_left && g_left && d < HD - int(kRopeDim)) {
-        const double y = y_of(ws, d);  // list_bf16_row's test off the RoPE pairs, slack 0
-        const double w =
-            y_scale(z, a, d) * double(std::min(bk, bg)) + std::fabs(y) * (rho + 0x1p-40);
-        if (!rounding_check::bf16_splits(y, w)) {
-          parts[m++] = bg > bk ? HD + d : d;
-          continue;
-        }
+      const bool pair = d >= nope;
+      if (pair && (d - nope) % 2 == 1 && i > 0 && ch[i - 1] == d - 1) continue;  // taken with e
+      const int e = pair ? d - (d - nope) % 2 : d;
+      const int nc = pair ? 2 : 1;  // channels e, e + 1 (a pair) or d
+      int cand[4], nk = 0;
+      double wt[4];
+      for (int c = 0; c < nc; ++c)
+        for (const int p : {e + c, HD + e + c})
+          if (has(p)) {
+            cand[nk] = p;
+            wt[nk++] = y_scale(z, a, e + c) * double(ws.bound[p]);
+          }
+      bool taken[4] = {};
+      // The bound of channel e + c's parts not taken (kv then score, as the listing adds them).
+      const auto rest = [&](int c) {
+        double r = 0.0;
+        for (int k = 0; k < nk; ++k)
+          if (!taken[k] && cand[k] % HD == e + c) r += double(ws.bound[cand[k]]);
+        return r;
+      };
+      // Whether value e (and e + 1 of a pair) still holds a boundary with those bounds.
+      const auto splits = [&] {
+        const double ye = y_of(ws, e);
+        if (!pair)
+          return rounding_check::bf16_splits(
+              ye, y_scale(z, a, e) * rest(0) + std::fabs(ye) * (rho + 0x1p-40));
+        const index_t k = (e - nope) / 2;
+        const double c = std::fabs(double(a.rope.cos_row(rope_pos)[k].to_float())),
+                     sn = std::fabs(double(a.rope.sin_row(rope_pos)[k].to_float()));
+        const double se = y_scale(z, a, e), so = y_scale(z, a, e + 1);
+        const double pe = std::fabs(double(ws.pooled[e]) + double(ws.z[e])),
+                     po = std::fabs(double(ws.pooled[e + 1]) + double(ws.z[e + 1]));
+        const double ue = se * rest(0) + pe * se * rho, uo = so * rest(1) + po * so * rho;
+        const double yo = y_of(ws, e + 1);
+        return rounding_check::bf16_splits(ye, c * ue + sn * uo + std::fabs(ye) * 0x1p-40) ||
+               rounding_check::bf16_splits(yo, sn * ue + c * uo + std::fabs(yo) * 0x1p-40);
+      };
+      while (splits()) {
+        int best = -1;
+        for (int k = 0; k < nk; ++k)
+          if (!taken[k] && (best < 0 || wt[k] > wt[best])) best = k;
+        if (best < 0) break;  // every part taken: the rest is ρ's
+        taken[best] = true;
+        parts[m++] = cand[best];
       }
-      if (kv_left) parts[m++] = d;
-      if (g_left) parts[m++] = HD + d;
     }
     return m;
   }
@@ -601,34 +641,40 @@ struct backend_ops_compressor {
 
   // Golden's state values of parts[0 .. np) (own_parts) of every written candidate. The
   // candidates on one half share the weight rows (wkv's or wgate's row off + d), so that half's
-  // tokens go through them together: bf16_rows_gather_dots_exact, the rows read once per
-  // kFewTok tokens (the pairs read them once per token and widened x per dot).
+  // tokens go through them together: bf16_rows_gather_dots_rounded (golden's sums rounded to
+  // FP32, certified in a faster order with the rows' norms), the rows read once per kFewTok
+  // tokens.
   static void repair_parts(const kernels::CompressorArgs& a, const WrittenCand* wc, int nw,
                            const int* parts, int np) {
     constexpr int kRows = 2 * std::max(kMaxChannels, kRhoBatch), kTok = kFewTok;
     const index_t D = a.cfg->hidden, OUT = a.spec.out_dim(), HD = a.spec.head_dim;
     const bf16* rows[kRows] = {};
+    float norms[kRows] = {};
     const bf16* xs[kTok] = {};
     const WrittenCand* who[kTok];
-    double s[kTok][kRows];
+    float s[kTok][kRows];
     bool taken[2 * 128] = {};
     for (int q = 0; q < nw; ++q) {
       if (taken[q]) continue;
       const index_t off = wc[q].off;
-      for (int i = 0; i < np; ++i)
-        rows[i] = parts[i] < HD ? &a.w.wkv(off + parts[i], 0) : &a.w.wgate(off + parts[i] - HD, 0);
+      for (int i = 0; i < np; ++i) {
+        const bool kv = parts[i] < HD;
+        const index_t r = off + parts[i] % HD;  // the part's weight row
+        rows[i] = kv ? &a.w.wkv(r, 0) : &a.w.wgate(r, 0);
+        norms[i] = a.w.row_norms(kv ? r : OUT + r);
+      }
       int m = 0;
       const auto flush = [&] {
-        bf16_rows_gather_dots_exact(I, m, xs, np, rows, D, s[0], kRows);
+        bf16_rows_gather_dots_rounded(I, m, xs, np, rows, norms, D, s[0], kRows);
         for (int u = 0; u < m; ++u) {
           const WrittenCand& w = *who[u];
           const float* ape = &a.w.ape(a.meta.positions(w.t) % a.spec.ratio, off);
           for (int i = 0; i < np; ++i) {
             const index_t d = parts[i] % HD;
             if (parts[i] < HD)
-              w.row[off + d] = float(s[u][i]);
+              w.row[off + d] = s[u][i];
             else
-              w.row[OUT + off + d] = float(s[u][i]) + ape[d];
+              w.row[OUT + off + d] = s[u][i] + ape[d];
           }
         }
         m = 0;

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "tiledecode/backend/cpu/isa.hpp"
+#include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/view.hpp"
 
 namespace tiledecode::cpu::compressor_check {
@@ -95,10 +96,11 @@ __attribute__((always_inline)) inline void pool_bound_body(
       bound_r[hd + d] += e * (dk * (axr * ng[d] + rg));
     }
   }
-  for (index_t d = 0; d < 2 * hd; ++d) {
-    bound[d] = bound[d] / ls[d % hd] * kSlack;
-    bound_r[d] = bound_r[d] / ls[d % hd] * kSlack;
-  }
+  for (int h = 0; h < 2; ++h)  // the two parts apart: ls[d] without a remainder, so it vectorizes
+    for (index_t d = 0; d < hd; ++d) {
+      bound[h * hd + d] = bound[h * hd + d] / ls[d] * kSlack;
+      bound_r[h * hd + d] = bound_r[h * hd + d] / ls[d] * kSlack;
+    }
 }
 
 #if TILEDECODE_X86
@@ -124,6 +126,127 @@ inline void pool_bound(Isa isa, float* bound, float* bound_r, const float* poole
 #endif
   (void)isa;
   pool_bound_body(bound, bound_r, pooled, mx, ls, wr, nw, hd);
+}
+
+// The listing of the check (backend/cpu/compressor.hpp listed_channels): rounding_check::
+// list_bf16_row's test on the compressor's row, the same double arithmetic in the same order (so
+// the same values listed), written as loops over the values that the tiers' targets vectorize.
+// bf16::round_bits without its NaN case, branch-free: the bits are only compared, and a NaN
+// bound is listed by its own test.
+__attribute__((always_inline)) inline std::uint32_t bf16_bits_rne(float f) {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+// rounding_check::bf16_splits(v, w) as an int: w NaN or huge, or the two ends round apart.
+__attribute__((always_inline)) inline std::int32_t splits(double v, double w) {
+  return std::int32_t(!(w <= 1e300)) |
+         std::int32_t(bf16_bits_rne(float(v - w)) != bf16_bits_rne(float(v + w)));
+}
+// hit[i] != 0 where value i of y (y + y_lo) is listed: own_i = |r · nw_i| · (b_i + b_{hd+i})
+// (b: bound, both parts), u_i = |p_i| · |r · nw_i| (p: pooled + plo), Y_i = own_i + |y_i| (ρ +
+// 2^-40) off the RoPE pairs; a pair (e, o) of the last rope values, rotated by |cos|, |sin| at
+// cs[k], sn[k]: U = own + u ρ each, |cos| U_e + |sin| U_o + 2^-40 |y_e| and |sin| U_e + |cos| U_o
+// + 2^-40 |y_o|, both values flagged where either splits.
+__attribute__((always_inline)) inline void list_row_body(
+    std::int32_t* __restrict hit, const float* __restrict y, const float* __restrict y_lo,
+    const float* __restrict pooled, const float* __restrict plo, const float* __restrict bound,
+    const float* __restrict nw, double r, double rho, const bf16* __restrict cs,
+    const bf16* __restrict sn, index_t hd, index_t rope) {
+  const index_t nope = hd - rope;
+  for (index_t i = 0; i < nope; ++i) {
+    const double v = double(y[i]) + double(y_lo[i]);
+    const double own = std::fabs(r * double(nw[i])) * (double(bound[i]) + double(bound[hd + i]));
+    hit[i] = splits(v, own + std::fabs(v) * (rho + 0x1p-40));
+  }
+  for (index_t k = 0; k < rope / 2; ++k) {
+    const index_t e = nope + 2 * k, o = e + 1;
+    const double nc = std::fabs(double(cs[k].to_float())), ns = std::fabs(double(sn[k].to_float()));
+    const double se = std::fabs(r * double(nw[e])), so = std::fabs(r * double(nw[o]));
+    const double ue = se * (double(bound[e]) + double(bound[hd + e])) +
+                      std::fabs(double(pooled[e]) + double(plo[e])) * se * rho;
+    const double uo = so * (double(bound[o]) + double(bound[hd + o])) +
+                      std::fabs(double(pooled[o]) + double(plo[o])) * so * rho;
+    const double ye = double(y[e]) + double(y_lo[e]), yo = double(y[o]) + double(y_lo[o]);
+    const std::int32_t h = splits(ye, nc * ue + ns * uo + std::fabs(ye) * 0x1p-40) |
+                           splits(yo, ns * ue + nc * uo + std::fabs(yo) * 0x1p-40);
+    hit[e] = h;
+    hit[o] = h;
+  }
+}
+
+// The RMS factor's sums of the check (listed_channels): ss = Σ p_i², q = Σ (p_i · (b_i +
+// b_{hd+i}))² over i < hd (hd % 4 == 0; p = pooled + plo, b: bound_r), each in four chains over i
+// mod 4 added as (0 + 1) + (2 + 3): a fixed order, one vector of chains on the tiers' targets.
+__attribute__((always_inline)) inline void rho_sums_body(const float* __restrict pooled,
+                                                         const float* __restrict plo,
+                                                         const float* __restrict br, index_t hd,
+                                                         double* ss, double* q) {
+  double s4[4] = {}, q4[4] = {};
+  for (index_t i = 0; i < hd; i += 4)
+    for (int l = 0; l < 4; ++l) {
+      const double p = double(pooled[i + l]) + double(plo[i + l]);
+      const double e = p * (double(br[i + l]) + double(br[hd + i + l]));
+      s4[l] += p * p;
+      q4[l] += e * e;
+    }
+  *ss = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+  *q = (q4[0] + q4[1]) + (q4[2] + q4[3]);
+}
+
+#if TILEDECODE_X86
+// The AVX-512 tier runs it too (its loops are short; 256-bit vectors).
+TILEDECODE_TARGET_AVX2 inline void list_row_avx2(std::int32_t* hit, const float* y,
+                                                 const float* y_lo, const float* pooled,
+                                                 const float* plo, const float* bound,
+                                                 const float* nw, double r, double rho,
+                                                 const bf16* cs, const bf16* sn, index_t hd,
+                                                 index_t rope) {
+  list_row_body(hit, y, y_lo, pooled, plo, bound, nw, r, rho, cs, sn, hd, rope);
+}
+#endif
+
+#if TILEDECODE_X86
+// rho_sums_body's chains as the lanes of one vector (the compiler keeps them scalar): the same
+// operations per lane, so the same bits. The AVX-512 tier runs it too.
+TILEDECODE_TARGET_AVX2 inline __m256d load4_pd(const float* x) {
+  return _mm256_cvtps_pd(_mm_loadu_ps(x));
+}
+TILEDECODE_TARGET_AVX2 inline void rho_sums_avx2(const float* pooled, const float* plo,
+                                                 const float* br, index_t hd, double* ss,
+                                                 double* q) {
+  __m256d s4 = _mm256_setzero_pd(), q4 = _mm256_setzero_pd();
+  for (index_t i = 0; i < hd; i += 4) {
+    const __m256d p = _mm256_add_pd(load4_pd(pooled + i), load4_pd(plo + i));
+    const __m256d e = _mm256_mul_pd(p, _mm256_add_pd(load4_pd(br + i), load4_pd(br + hd + i)));
+    s4 = _mm256_add_pd(s4, _mm256_mul_pd(p, p));
+    q4 = _mm256_add_pd(q4, _mm256_mul_pd(e, e));
+  }
+  alignas(32) double a[4], b[4];
+  _mm256_store_pd(a, s4);
+  _mm256_store_pd(b, q4);
+  *ss = (a[0] + a[1]) + (a[2] + a[3]);
+  *q = (b[0] + b[1]) + (b[2] + b[3]);
+}
+#endif
+inline void rho_sums(Isa isa, const float* pooled, const float* plo, const float* br, index_t hd,
+                     double* ss, double* q) {
+#if TILEDECODE_X86
+  if (isa == Isa::avx512 || has_avx2(isa)) return rho_sums_avx2(pooled, plo, br, hd, ss, q);
+#endif
+  (void)isa;
+  rho_sums_body(pooled, plo, br, hd, ss, q);
+}
+
+inline void list_row(Isa isa, std::int32_t* hit, const float* y, const float* y_lo,
+                     const float* pooled, const float* plo, const float* bound, const float* nw,
+                     double r, double rho, const bf16* cs, const bf16* sn, index_t hd,
+                     index_t rope) {
+#if TILEDECODE_X86
+  if (isa == Isa::avx512 || has_avx2(isa))
+    return list_row_avx2(hit, y, y_lo, pooled, plo, bound, nw, r, rho, cs, sn, hd, rope);
+#endif
+  (void)isa;
+  list_row_body(hit, y, y_lo, pooled, plo, bound, nw, r, rho, cs, sn, hd, rope);
 }
 
 }  // namespace tiledecode::cpu::compressor_check

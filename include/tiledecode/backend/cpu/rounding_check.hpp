@@ -146,10 +146,20 @@ __attribute__((always_inline)) inline void check_row_body(const bf16* x, index_t
 
 // The largest |x| of a BF16 row, as a float (+Inf or a NaN for a non-finite one): the scale
 // max_k |x[k]| of the dots' bound in the BF16-row checks.
+// The magnitudes' bits (bits & 0x7fff) are nonnegative int16 values, ordered as the magnitudes
+// (a NaN above +Inf), so the signed 16-bit max (one SSE2 instruction) finds them, in 32 lanes
+// that the compiler keeps in four vectors (one chain of maxima per 8 values otherwise).
 inline float bf16_abs_max(const bf16* x, index_t k) {
-  std::uint16_t m = 0;
-  for (index_t i = 0; i < k; ++i) m = std::max<std::uint16_t>(m, x[i].bits & 0x7fff);
-  return bf16::from_bits(m).to_float();
+  constexpr int L = 32;
+  std::int16_t m[L] = {};
+  index_t i = 0;
+  for (; i + L <= k; i += L)
+    for (int l = 0; l < L; ++l)
+      m[l] = std::max<std::int16_t>(m[l], std::int16_t(x[i + l].bits & 0x7fff));
+  for (; i < k; ++i) m[0] = std::max<std::int16_t>(m[0], std::int16_t(x[i].bits & 0x7fff));
+  std::int16_t r = 0;
+  for (int l = 0; l < L; ++l) r = std::max(r, m[l]);
+  return bf16::from_bits(std::uint16_t(r)).to_float();
 }
 
 // Whether golden's value, within w of v (w >= 0), can round to another BF16 value than v through
