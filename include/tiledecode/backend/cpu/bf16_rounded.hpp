@@ -75,32 +75,28 @@ TILEDECODE_TARGET_AVX2 inline __m256d hi4(__m128i c) {
   return _mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpackhi_epi16(_mm_setzero_si128(), c)));
 }
 
-// An upper bound of ‖x‖₂ (d values): the double sum of the exact squares in 8 lanes, its
-// roundings (<= d · 2^-53 relative) and the square root's covered by 2^-30. NaN / +Inf for a
-// non-finite x.
-TILEDECODE_TARGET_AVX2 inline double norm_bound(const bf16* x, index_t d) {
-  __m256d a = _mm256_setzero_pd(), b = _mm256_setzero_pd();
-  index_t k = 0;
-  for (; k + 8 <= d; k += 8) {
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k));
-    const __m256d l = lo4(c), h = hi4(c);
-    a = _mm256_fmadd_pd(l, l, a);
-    b = _mm256_fmadd_pd(h, h, b);
-  }
-  alignas(32) double v[4];
-  _mm256_store_pd(v, _mm256_add_pd(a, b));
-  double s = (v[0] + v[1]) + (v[2] + v[3]);
-  for (; k < d; ++k) s += double(x[k].to_float()) * double(x[k].to_float());
-  return std::sqrt(s) * (1.0 + 0x1p-30);
-}
-
-// xd[k] = x[k] as double, k < kk (a multiple of 8).
-TILEDECODE_TARGET_AVX2 inline void widen(double* xd, const bf16* x, index_t kk) {
+// xd[k] = x[k] as double, k < kk (a multiple of 8); with SQ, sq += the squares (exact) in its
+// lanes (x's norm, on the first pass over the rows: no conversions of its own).
+template <bool SQ>
+TILEDECODE_TARGET_AVX2 inline void widen(double* xd, const bf16* x, index_t kk, __m256d& sq) {
   for (index_t k = 0; k < kk; k += 8) {
     const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k));
-    _mm256_store_pd(xd + k, lo4(c));
-    _mm256_store_pd(xd + k + 4, hi4(c));
+    const __m256d l = lo4(c), h = hi4(c);
+    _mm256_store_pd(xd + k, l);
+    _mm256_store_pd(xd + k + 4, h);
+    if constexpr (SQ)
+      sq = _mm256_add_pd(sq, _mm256_add_pd(_mm256_mul_pd(l, l), _mm256_mul_pd(h, h)));
   }
+}
+// An upper bound of ‖x‖₂ from sq (the squares of x[0 .. dm)) and the rest of x: the double sums
+// of the exact squares (their roundings <= d · 2^-53 relative) and the square root's rounding
+// covered by 2^-30. NaN / +Inf for a non-finite x.
+TILEDECODE_TARGET_AVX2 inline double norm_bound(__m256d sq, const bf16* x, index_t dm, index_t d) {
+  alignas(32) double v[4];
+  _mm256_store_pd(v, sq);
+  double s = (v[0] + v[1]) + (v[2] + v[3]);
+  for (index_t k = dm; k < d; ++k) s += double(x[k].to_float()) * double(x[k].to_float());
+  return std::sqrt(s) * (1.0 + 0x1p-30);
 }
 
 // The lanes of one row against NT tokens over kk k (a multiple of 4U): acc[(t · U + u) · 4 + l]
@@ -151,15 +147,21 @@ TILEDECODE_TARGET_AVX2 inline void gather(const bf16* const* xs, int n, const bf
   const index_t dm = d / (4 * U) * (4 * U);  // the lanes' k
   alignas(32) double xd[NT * kBlockK];
   alignas(32) double acc[kChunk][NT * U * 4];
+  __m256d sq[NT];
+  for (int t = 0; t < NT; ++t) sq[t] = _mm256_setzero_pd();
   double nx[NT];
-  for (int t = 0; t < NT; ++t) nx[t] = norm_bound(xs[t], d);
   const double g = cpu::rounded_detail::bound_factor(d);
   for (int j0 = 0; j0 < n; j0 += kChunk) {
     const int nc = std::min(kChunk, n - j0);
     for (int j = 0; j < nc; ++j) std::fill_n(acc[j], NT * U * 4, 0.0);
     for (index_t k0 = 0; k0 < dm; k0 += kBlockK) {
       const index_t kk = std::min(kBlockK, dm - k0);
-      for (int t = 0; t < NT; ++t) widen(xd + t * kBlockK, xs[t] + k0, kk);
+      for (int t = 0; t < NT; ++t) {
+        if (j0 == 0)
+          widen<true>(xd + t * kBlockK, xs[t] + k0, kk, sq[t]);
+        else
+          widen<false>(xd + t * kBlockK, xs[t] + k0, kk, sq[t]);
+      }
       for (int j = 0; j < nc; ++j) {
         const bf16* next = j + 1 < nc          ? rows[j0 + j + 1] + k0
                            : k0 + kBlockK < dm ? rows[j0] + k0 + kBlockK
@@ -167,6 +169,8 @@ TILEDECODE_TARGET_AVX2 inline void gather(const bf16* const* xs, int n, const bf
         lanes<NT>(acc[j], xd, rows[j0 + j] + k0, kk, next);
       }
     }
+    if (j0 == 0)
+      for (int t = 0; t < NT; ++t) nx[t] = norm_bound(sq[t], xs[t], dm, d);
     for (int j = 0; j < nc; ++j) {
       const bf16* w = rows[j0 + j];
       for (int t = 0; t < NT; ++t) {

@@ -14,6 +14,7 @@
 // channel; the candidate order), so every tier gives the same bits.
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -96,6 +97,7 @@ struct CompressorWorkspace {
   float* ls;        // (head_dim) the rounding check: its weight sum Σ e^(s - max), FP32
   float* nw;        // (head_dim) the rounding check: norm_w as FP32
   std::int32_t* hit;      // (head_dim) the rounding check: the listing's flags per value
+  std::int64_t* keys;     // (T) the rounding check: the state slot of written[i] (unmapped last)
   std::int32_t* written;  // (T) the rounding check: tokens sorted by (state slot, t)
 };
 
@@ -115,7 +117,8 @@ inline CompressorWorkspace carve_workspace(const ModelConfig& cfg, const Compres
   w.ls = w.mx + ws_round(spec.head_dim);
   w.nw = w.ls + ws_round(spec.head_dim);
   w.hit = reinterpret_cast<std::int32_t*>(w.nw + ws_round(spec.head_dim));
-  w.written = w.hit + ws_round(spec.head_dim);
+  w.keys = reinterpret_cast<std::int64_t*>(w.hit + ws_round(spec.head_dim));
+  w.written = reinterpret_cast<std::int32_t*>(w.keys) + ws_round(2 * T);
   return w;
 }
 
@@ -219,6 +222,8 @@ struct backend_ops_compressor {
         const std::int64_t kx = slot_key(a, x), ky = slot_key(a, y);
         return kx != ky ? kx < ky : x < y;
       });
+      for (index_t i = 0; i < T; ++i) ws.keys[i] = slot_key(a, ws.written[i]);
+      for (index_t i = 0; i < a.spec.head_dim; ++i) ws.nw[i] = a.w.norm_w(i).to_float();
     }
   }
 
@@ -397,13 +402,15 @@ struct backend_ops_compressor {
     return s < 0 ? INT64_MAX : s;
   }
   // The last token t < lim (program order: requests, then tokens) that wrote state row `row` in
-  // this step, or -1: a binary search of the tokens sorted by (slot, t).
+  // this step, or -1: a binary search of the tokens sorted by (slot, t) (their slots in ws.keys).
   static index_t writer(const Ws& ws, const kernels::CompressorArgs& a, std::int64_t row,
                         index_t lim) {
-    index_t lo = 0, hi = a.tokens();
+    const index_t T = a.tokens();
+    if (row < ws.keys[0] || row > ws.keys[T - 1]) return -1;  // below or above every slot
+    index_t lo = 0, hi = T;
     while (lo < hi) {
       const index_t mid = (lo + hi) / 2, t = ws.written[mid];
-      const std::int64_t k = slot_key(a, t);
+      const std::int64_t k = ws.keys[mid];
       if (k < row || (k == row && t < lim)) {
         lo = mid + 1;
       } else {
@@ -411,8 +418,7 @@ struct backend_ops_compressor {
       }
     }
     if (lo == 0) return -1;
-    const index_t t = ws.written[lo - 1];
-    return slot_key(a, t) == row ? t : -1;
+    return ws.keys[lo - 1] == row ? index_t(ws.written[lo - 1]) : -1;
   }
 
   // A candidate written in this step: its token and where its values live.
@@ -449,10 +455,16 @@ struct backend_ops_compressor {
     compressor_check::list_row(I, ws.hit, ws.y, ws.y_lo, ws.pooled, ws.z, ws.bound, ws.nw, z.r, rho,
                                a.rope.cos_row(rope_pos), a.rope.sin_row(rope_pos), HD, kRopeDim);
     int n = 0;
-    for (index_t i = 0; i < HD; ++i) {
-      if (!ws.hit[i]) continue;
-      if (n <= kMaxChannels) ch[n] = int(i);
-      if (++n > kMaxChannels) return kMaxChannels + 1;
+    for (index_t i0 = 0; i0 < HD; i0 += 8) {  // blocks of 8 flags, most of them all 0
+      const index_t i1 = std::min<index_t>(HD, i0 + 8);
+      std::int32_t any = 0;
+      for (index_t i = i0; i < i1; ++i) any |= ws.hit[i];
+      if (!any) continue;
+      for (index_t i = i0; i < i1; ++i) {
+        if (!ws.hit[i]) continue;
+        if (n <= kMaxChannels) ch[n] = int(i);
+        if (++n > kMaxChannels) return kMaxChannels + 1;
+      }
     }
     return n;
   }
@@ -462,9 +474,10 @@ struct backend_ops_compressor {
     const index_t HD = a.spec.head_dim, OUT = a.spec.out_dim(), S = a.meta.shape.seq;
     const index_t D = a.cfg->hidden, R = a.spec.ratio, ld = a.state_pool.stride(0);
     const Ws& ws = z.ws;
+    std::uint32_t inf = 0;  // y's largest exponent field, every value at once (it vectorizes)
     for (index_t i = 0; i < HD; ++i)
-      if (!std::isfinite(ws.y[i])) return;
-    for (index_t i = 0; i < HD; ++i) ws.nw[i] = a.w.norm_w(i).to_float();  // for listed_channels
+      inf = std::max(inf, std::bit_cast<std::uint32_t>(ws.y[i]) & 0x7f800000u);
+    if (inf == 0x7f800000u) return;  // a NaN or ±Inf in y
     const float* kv[2 * 128];
     const float* sc[2 * 128];
     std::int64_t rows[2 * 128];
