@@ -174,9 +174,33 @@ __attribute__((always_inline)) inline void list_row_body(
   }
 }
 
+#if TILEDECODE_X86
+// The AVX-512 tier runs it too (its loops are short; 256-bit vectors).
+TILEDECODE_TARGET_AVX2 inline void list_row_avx2(std::int32_t* hit, const float* y,
+                                                 const float* y_lo, const float* pooled,
+                                                 const float* plo, const float* bound,
+                                                 const float* nw, double r, double rho,
+                                                 const bf16* cs, const bf16* sn, index_t hd,
+                                                 index_t rope) {
+  list_row_body(hit, y, y_lo, pooled, plo, bound, nw, r, rho, cs, sn, hd, rope);
+}
+#endif
+
+inline void list_row(Isa isa, std::int32_t* hit, const float* y, const float* y_lo,
+                     const float* pooled, const float* plo, const float* bound, const float* nw,
+                     double r, double rho, const bf16* cs, const bf16* sn, index_t hd,
+                     index_t rope) {
+#if TILEDECODE_X86
+  if (isa == Isa::avx512 || has_avx2(isa))
+    return list_row_avx2(hit, y, y_lo, pooled, plo, bound, nw, r, rho, cs, sn, hd, rope);
+#endif
+  (void)isa;
+  list_row_body(hit, y, y_lo, pooled, plo, bound, nw, r, rho, cs, sn, hd, rope);
+}
+
 // The RMS factor's sums of the check (listed_channels): ss = Σ p_i², q = Σ (p_i · (b_i +
 // b_{hd+i}))² over i < hd (hd % 4 == 0; p = pooled + plo, b: bound_r), each in four chains over i
-// mod 4 added as (0 + 1) + (2 + 3): a fixed order, one vector of chains on the tiers' targets.
+// mod 4 added as (0 + 1) + (2 + 3): a fixed order (rho_sums_avx2: the chains as one vector).
 __attribute__((always_inline)) inline void rho_sums_body(const float* __restrict pooled,
                                                          const float* __restrict plo,
                                                          const float* __restrict br, index_t hd,
@@ -192,18 +216,6 @@ __attribute__((always_inline)) inline void rho_sums_body(const float* __restrict
   *ss = (s4[0] + s4[1]) + (s4[2] + s4[3]);
   *q = (q4[0] + q4[1]) + (q4[2] + q4[3]);
 }
-
-#if TILEDECODE_X86
-// The AVX-512 tier runs it too (its loops are short; 256-bit vectors).
-TILEDECODE_TARGET_AVX2 inline void list_row_avx2(std::int32_t* hit, const float* y,
-                                                 const float* y_lo, const float* pooled,
-                                                 const float* plo, const float* bound,
-                                                 const float* nw, double r, double rho,
-                                                 const bf16* cs, const bf16* sn, index_t hd,
-                                                 index_t rope) {
-  list_row_body(hit, y, y_lo, pooled, plo, bound, nw, r, rho, cs, sn, hd, rope);
-}
-#endif
 
 #if TILEDECODE_X86
 // rho_sums_body's chains as the lanes of one vector (the compiler keeps them scalar): the same
@@ -235,18 +247,6 @@ inline void rho_sums(Isa isa, const float* pooled, const float* plo, const float
 #endif
   (void)isa;
   rho_sums_body(pooled, plo, br, hd, ss, q);
-}
-
-inline void list_row(Isa isa, std::int32_t* hit, const float* y, const float* y_lo,
-                     const float* pooled, const float* plo, const float* bound, const float* nw,
-                     double r, double rho, const bf16* cs, const bf16* sn, index_t hd,
-                     index_t rope) {
-#if TILEDECODE_X86
-  if (isa == Isa::avx512 || has_avx2(isa))
-    return list_row_avx2(hit, y, y_lo, pooled, plo, bound, nw, r, rho, cs, sn, hd, rope);
-#endif
-  (void)isa;
-  list_row_body(hit, y, y_lo, pooled, plo, bound, nw, r, rho, cs, sn, hd, rope);
 }
 
 }  // namespace tiledecode::cpu::compressor_check
