@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -437,6 +438,85 @@ TEST(CsaCompressor, RoundingCheckExpIsWithinItsBound) {
   for (float x : {0.0f, -0.0f, 1.0f, 1e30f, std::numeric_limits<float>::quiet_NaN()})
     EXPECT_EQ(cc::exp_le0(x), 1.0f) << x;
   EXPECT_LE(rel(-std::numeric_limits<float>::quiet_NaN(), std::exp(-87.0)), 4e-4);
+}
+
+// The check's vectorized listing (compressor_check::list_row, backend/cpu/compressor.hpp
+// listed_channels) lists, on every tier, exactly the channels rounding_check::list_bf16_row lists
+// with the check's own, scale and value (the twin it replaced), and rho_sums gives the four
+// chains' sums of the plain loop bit for bit: rows of 512 and 128 values (the last 64 RoPE pairs)
+// whose y sits within a few bounds of a BF16 rounding boundary, so that about half the values
+// are listed, with random bounds, ρ, norm_w and rotations.
+TEST(CsaCompressor, RoundingCheckListingIsListBf16RowsOnEveryTier) {
+  namespace cc = td::cpu::compressor_check;
+  tdtest::Rng rng(41);
+  long listed = 0, values = 0;
+  for (const index_t hd : {index_t(512), index_t(128)})
+    for (int row = 0; row < 64; ++row) {
+      const index_t rope = 64;
+      std::vector<float> y(hd), y_lo(hd), pooled(hd), plo(hd), nw(hd), bound(2 * hd), br(2 * hd);
+      std::vector<bf16> cs(rope / 2), sn(rope / 2);
+      rng.fill_normal(std::span<float>(pooled), 0.3f);
+      rng.fill_uniform(std::span<float>(nw), 0.8f, 1.2f);
+      rng.fill_uniform(std::span<float>(bound), 0.0f, 2e-6f);
+      rng.fill_uniform(std::span<float>(br), 0.0f, 5e-7f);
+      for (index_t k = 0; k < rope / 2; ++k) {
+        const float a = rng.uniform(0.0f, 6.2831853f);
+        cs[std::size_t(k)] = bf16(std::cos(a)), sn[std::size_t(k)] = bf16(std::sin(a));
+      }
+      for (index_t i = 0; i < 2 * hd; i += 7) bound[std::size_t(i)] = 0.0f;  // repaired parts
+      const double r = rng.uniform(2.0f, 4.0f), rho = rng.uniform(0.0f, 1e-6f);
+      for (index_t i = 0; i < hd; ++i) {
+        const std::size_t u = std::size_t(i);
+        plo[u] = pooled[u] * 0x1p-30f;
+        // A BF16 rounding boundary (a midpoint) near r · p · nw, then y within ~3 bounds of it.
+        const float b = bf16(float(r * pooled[u] * nw[u])).to_float();
+        const float mid = std::bit_cast<float>(std::bit_cast<std::uint32_t>(b) + 0x8000u);
+        const double yd = double(mid) + double(rng.uniform(-2e-5f, 2e-5f));
+        y[u] = float(yd);
+        y_lo[u] = float(yd - double(y[u]));
+      }
+      const auto scale = [&](index_t i) { return std::fabs(r * double(nw[std::size_t(i)])); };
+      const auto pabs = [&](index_t i) {
+        return std::fabs(double(pooled[std::size_t(i)]) + double(plo[std::size_t(i)]));
+      };
+      std::vector<int> want(std::size_t(hd) + 1);
+      const int nwant = td::cpu::rounding_check::list_bf16_row(
+          hd, rope, cs.data(), sn.data(), rho, 0.0,
+          [&](index_t i) {
+            return scale(i) * (double(bound[std::size_t(i)]) + double(bound[std::size_t(hd + i)]));
+          },
+          [&](index_t i) { return pabs(i) * scale(i); },
+          [&](index_t i) { return double(y[std::size_t(i)]) + double(y_lo[std::size_t(i)]); },
+          want.data(), int(hd));
+      want.resize(std::size_t(nwant));
+      listed += nwant;
+      values += hd;
+      double s4[4] = {}, q4[4] = {};
+      for (index_t i = 0; i < hd; ++i) {
+        const double p = double(pooled[std::size_t(i)]) + double(plo[std::size_t(i)]);
+        const double e = p * (double(br[std::size_t(i)]) + double(br[std::size_t(hd + i)]));
+        s4[i % 4] += p * p;
+        q4[i % 4] += e * e;
+      }
+      const double ss = (s4[0] + s4[1]) + (s4[2] + s4[3]), q = (q4[0] + q4[1]) + (q4[2] + q4[3]);
+      for (td::cpu::Isa isa : td::cpu::supported_isas()) {
+        std::vector<std::int32_t> hit(std::size_t(hd), -1);
+        cc::list_row(isa, hit.data(), y.data(), y_lo.data(), pooled.data(), plo.data(),
+                     bound.data(), nw.data(), r, rho, cs.data(), sn.data(), hd, rope);
+        std::vector<int> got;
+        for (index_t i = 0; i < hd; ++i)
+          if (hit[std::size_t(i)] != 0) got.push_back(int(i));
+        EXPECT_EQ(got, want) << td::cpu::to_string(isa) << " hd " << hd << " row " << row;
+        double gs = -1.0, gq = -1.0;
+        cc::rho_sums(isa, pooled.data(), plo.data(), br.data(), hd, &gs, &gq);
+        EXPECT_EQ(std::bit_cast<std::uint64_t>(gs), std::bit_cast<std::uint64_t>(ss))
+            << td::cpu::to_string(isa);
+        EXPECT_EQ(std::bit_cast<std::uint64_t>(gq), std::bit_cast<std::uint64_t>(q))
+            << td::cpu::to_string(isa);
+      }
+    }
+  EXPECT_GT(listed, values / 5) << "values near boundaries are listed";
+  EXPECT_LT(listed, values * 4 / 5) << "values farther from them are not";
 }
 
 // CompressorWeights::row_norms (the opt-in rounding check) is validated before anything is

@@ -923,7 +923,8 @@ inline void bf16_pair_dots_exact(Isa isa, int n, const bf16* const* x, const bf1
 // s[t·ld_s + j] = Σ_{k<d} xs[t][k] · rows[j][k] for t < nt, j < n (any nt, n >= 0):
 // bf16_dot_exact's sum of each of nt token rows with each of n weight rows, both by pointer (the
 // rounding checks' repairs: the q-latent's and the kv checks' from the transposed rows, one token's
-// listed dots or all of them; the compressors' channels, the window's written tokens on one half),
+// listed dots or all of them; the compressors' channels on the scalar tier, through
+// bf16_rows_gather_dots_rounded, which the vector tiers sum in another order, certified),
 // on the few-token kernel (the lanes on rows, each x widened once, kFewTok tokens per pass over the
 // rows), the scalar tier on the pairs' body. Measured on an Intel Xeon, one token, rows of 4096
 // in cache, against bf16_pair_dots_exact (which widens x per pair and transposes the products):

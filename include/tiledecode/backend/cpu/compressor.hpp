@@ -429,12 +429,12 @@ struct backend_ops_compressor {
   };
 
   // Value i of y as the check sees it (y's double, y + y_lo), and |r · norm_w[i]|, the scale from
-  // a pooled value's bound to y's (listed_channels and own_parts).
+  // a pooled value's bound to y's (own_parts; listed_channels reads the same in list_row).
   static double y_of(const Ws& ws, index_t i) {
     return double(ws.y[i]) + double(ws.y_lo[i]);
   }
-  static double y_scale(const Lane& z, const kernels::CompressorArgs& a, index_t i) {
-    return std::fabs(z.r * double(a.w.norm_w(i).to_float()));
+  static double y_scale(const Lane& z, index_t i) {
+    return std::fabs(z.r * double(z.ws.nw[i]));  // norm_w as FP32 (project)
   }
   // Channel d's bound from both parts (b: ws.bound or ws.bound_r).
   static double both_parts(const float* b, index_t HD, index_t d) {
@@ -579,7 +579,7 @@ struct backend_ops_compressor {
         for (const int p : {e + c, HD + e + c})
           if (has(p)) {
             cand[nk] = p;
-            wt[nk++] = y_scale(z, a, e + c) * double(ws.bound[p]);
+            wt[nk++] = y_scale(z, e + c) * double(ws.bound[p]);
           }
       bool taken[4] = {};
       // The bound of channel e + c's parts not taken (kv then score, as the listing adds them).
@@ -590,21 +590,14 @@ struct backend_ops_compressor {
         return r;
       };
       // Whether value e (and e + 1 of a pair) still holds a boundary with those bounds.
-      const auto splits = [&] {
-        const double ye = y_of(ws, e);
-        if (!pair)
-          return rounding_check::bf16_splits(
-              ye, y_scale(z, a, e) * rest(0) + std::fabs(ye) * (rho + 0x1p-40));
+      const auto splits = [&] {  // list_row's test (compressor_check.hpp)
+        if (!pair) return compressor_check::value_splits(y_of(ws, e), y_scale(z, e), rest(0), rho);
         const index_t k = (e - nope) / 2;
-        const double c = std::fabs(double(a.rope.cos_row(rope_pos)[k].to_float())),
-                     sn = std::fabs(double(a.rope.sin_row(rope_pos)[k].to_float()));
-        const double se = y_scale(z, a, e), so = y_scale(z, a, e + 1);
-        const double pe = std::fabs(double(ws.pooled[e]) + double(ws.z[e])),
-                     po = std::fabs(double(ws.pooled[e + 1]) + double(ws.z[e + 1]));
-        const double ue = se * rest(0) + pe * se * rho, uo = so * rest(1) + po * so * rho;
-        const double yo = y_of(ws, e + 1);
-        return rounding_check::bf16_splits(ye, c * ue + sn * uo + std::fabs(ye) * 0x1p-40) ||
-               rounding_check::bf16_splits(yo, sn * ue + c * uo + std::fabs(yo) * 0x1p-40);
+        const auto pabs = [&](int i) { return std::fabs(double(ws.pooled[i]) + double(ws.z[i])); };
+        return compressor_check::pair_splits(
+            y_of(ws, e), y_of(ws, e + 1), std::fabs(double(a.rope.cos_row(rope_pos)[k].to_float())),
+            std::fabs(double(a.rope.sin_row(rope_pos)[k].to_float())), y_scale(z, e),
+            y_scale(z, e + 1), rest(0), rest(1), pabs(e), pabs(e + 1), rho);
       };
       while (splits()) {
         int best = -1;

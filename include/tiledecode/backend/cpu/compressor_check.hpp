@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "tiledecode/backend/cpu/isa.hpp"
+#include "tiledecode/backend/cpu/rounding_check.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/view.hpp"
 
@@ -128,19 +129,25 @@ inline void pool_bound(Isa isa, float* bound, float* bound_r, const float* poole
   pool_bound_body(bound, bound_r, pooled, mx, ls, wr, nw, hd);
 }
 
-// The listing of the check (backend/cpu/compressor.hpp listed_channels): rounding_check::
-// list_bf16_row's test on the compressor's row, the same double arithmetic in the same order (so
-// the same values listed), written as loops over the values that the tiers' targets vectorize.
-// bf16::round_bits without its NaN case, branch-free: the bits are only compared, and a NaN
-// bound is listed by its own test.
-__attribute__((always_inline)) inline std::uint32_t bf16_bits_rne(float f) {
-  const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
-  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+// The listing of the check (backend/cpu/compressor.hpp listed_channels, own_parts):
+// rounding_check::list_bf16_row's test on the compressor's row, the same double arithmetic in the
+// same order (so the same values listed), written as loops over the values that the tiers'
+// targets vectorize. One value off the RoPE pairs: y = v, its scale s = |r · norm_w|, b its
+// pooled value's bound (the parts counted).
+__attribute__((always_inline)) inline std::int32_t value_splits(double v, double s, double b,
+                                                                double rho) {
+  return rounding_check::bf16_splits_i(v, s * b + std::fabs(v) * (rho + 0x1p-40));
 }
-// rounding_check::bf16_splits(v, w) as an int: w NaN or huge, or the two ends round apart.
-__attribute__((always_inline)) inline std::int32_t splits(double v, double w) {
-  return std::int32_t(!(w <= 1e300)) |
-         std::int32_t(bf16_bits_rne(float(v - w)) != bf16_bits_rne(float(v + w)));
+// A RoPE pair (e, o): ye, yo, their scales se, so, bounds be, bo and |pooled| pe, po, rotated by
+// nc = |cos|, ns = |sin|: U = s · b + |p| · s · ρ each, |cos| U_e + |sin| U_o + 2^-40 |y_e| and
+// |sin| U_e + |cos| U_o + 2^-40 |y_o|; either value splitting lists both.
+__attribute__((always_inline)) inline std::int32_t pair_splits(double ye, double yo, double nc,
+                                                               double ns, double se, double so,
+                                                               double be, double bo, double pe,
+                                                               double po, double rho) {
+  const double ue = se * be + pe * se * rho, uo = so * bo + po * so * rho;
+  return rounding_check::bf16_splits_i(ye, nc * ue + ns * uo + std::fabs(ye) * 0x1p-40) |
+         rounding_check::bf16_splits_i(yo, ns * ue + nc * uo + std::fabs(yo) * 0x1p-40);
 }
 // hit[i] != 0 where value i of y (y + y_lo) is listed: own_i = |r · nw_i| · (b_i + b_{hd+i})
 // (b: bound, both parts), u_i = |p_i| · |r · nw_i| (p: pooled + plo), Y_i = own_i + |y_i| (ρ +
@@ -155,20 +162,18 @@ __attribute__((always_inline)) inline void list_row_body(
   const index_t nope = hd - rope;
   for (index_t i = 0; i < nope; ++i) {
     const double v = double(y[i]) + double(y_lo[i]);
-    const double own = std::fabs(r * double(nw[i])) * (double(bound[i]) + double(bound[hd + i]));
-    hit[i] = splits(v, own + std::fabs(v) * (rho + 0x1p-40));
+    hit[i] = value_splits(v, std::fabs(r * double(nw[i])), double(bound[i]) + double(bound[hd + i]),
+                          rho);
   }
   for (index_t k = 0; k < rope / 2; ++k) {
     const index_t e = nope + 2 * k, o = e + 1;
     const double nc = std::fabs(double(cs[k].to_float())), ns = std::fabs(double(sn[k].to_float()));
-    const double se = std::fabs(r * double(nw[e])), so = std::fabs(r * double(nw[o]));
-    const double ue = se * (double(bound[e]) + double(bound[hd + e])) +
-                      std::fabs(double(pooled[e]) + double(plo[e])) * se * rho;
-    const double uo = so * (double(bound[o]) + double(bound[hd + o])) +
-                      std::fabs(double(pooled[o]) + double(plo[o])) * so * rho;
-    const double ye = double(y[e]) + double(y_lo[e]), yo = double(y[o]) + double(y_lo[o]);
-    const std::int32_t h = splits(ye, nc * ue + ns * uo + std::fabs(ye) * 0x1p-40) |
-                           splits(yo, ns * ue + nc * uo + std::fabs(yo) * 0x1p-40);
+    const std::int32_t h = pair_splits(
+        double(y[e]) + double(y_lo[e]), double(y[o]) + double(y_lo[o]), nc, ns,
+        std::fabs(r * double(nw[e])), std::fabs(r * double(nw[o])),
+        double(bound[e]) + double(bound[hd + e]), double(bound[o]) + double(bound[hd + o]),
+        std::fabs(double(pooled[e]) + double(plo[e])),
+        std::fabs(double(pooled[o]) + double(plo[o])), rho);
     hit[e] = h;
     hit[o] = h;
   }

@@ -162,10 +162,22 @@ inline float bf16_abs_max(const bf16* x, index_t k) {
   return bf16::from_bits(std::uint16_t(r)).to_float();
 }
 
+// bf16::round_bits without its NaN case, branch-free (the loops that call bf16_splits_i
+// vectorize): only compared, between v − w and v + w, which are the same NaN where either is one
+// (v NaN; w NaN is listed by its own test).
+__attribute__((always_inline)) inline std::uint32_t bf16_bits_rne(float f) {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
 // Whether golden's value, within w of v (w >= 0), can round to another BF16 value than v through
-// FP32: bf16(fp32(v − w)) != bf16(fp32(v + w)) (both roundings are monotone), or w is NaN or huge.
+// FP32: bf16(fp32(v − w)) != bf16(fp32(v + w)) (both roundings are monotone), or w is NaN or huge;
+// as an int (0 / 1) for the vectorized listings.
+__attribute__((always_inline)) inline std::int32_t bf16_splits_i(double v, double w) {
+  return std::int32_t(!(w <= 1e300)) |
+         std::int32_t(bf16_bits_rne(float(v - w)) != bf16_bits_rne(float(v + w)));
+}
 inline bool bf16_splits(double v, double w) {
-  return !(w <= 1e300) || bf16(float(v - w)).bits != bf16(float(v + w)).bits;
+  return bf16_splits_i(v, w) != 0;
 }
 
 // The BF16 rows (the compressors' y, kv): a row u (hd values, the last rope_dim rotated by the
