@@ -750,6 +750,81 @@ TEST(IndexerCompressor, BitIdenticalForAnyThreadCount) {
   }
 }
 
+// The rounding check's re-pooling from the pooling's kept sums (avx2::compressor_pool_resume):
+// keeping them does not move the pooling's bits; after the last 1-2 candidates change (an FP32 ulp
+// of every kv and score), a block whose max did not move gets the bits of pooling the changed
+// window again, and a block whose max moved (a changed score raised past it, or the max itself
+// lowered) returns false and writes nothing. Windows of 8 and 128 candidates, with masked
+// (kNegBig) candidates before the tail in a quarter of them.
+TEST(CompressorTiers, Avx2PoolResumeIsThePoolingsBits) {
+#if TILEDECODE_X86
+  if (!td::cpu::cpu_has_avx2()) GTEST_SKIP() << "no AVX2 on this CPU";
+  namespace avx2 = td::cpu::avx2;
+  const auto bits = [](float v) { return std::bit_cast<std::uint32_t>(v); };
+  tdtest::Rng rng(23);
+  constexpr index_t HD = 32;  // four blocks of 8 channels
+  int resumed = 0, moved = 0;
+  for (int n : {8, 128})
+    for (int tail : {1, 2})
+      for (int rep = 0; rep < 16; ++rep) {
+        std::vector<float> kvs(static_cast<std::size_t>(n * HD)), scs(kvs.size());
+        rng.fill_normal(kvs, 1.0f);
+        rng.fill_normal(scs, 2.0f);
+        if (rep % 4 == 1)
+          for (index_t c = 0; c < HD; ++c) scs[std::size_t(c)] = td::kNegBig;  // masked
+        std::vector<const float*> kv(static_cast<std::size_t>(n)), sc(static_cast<std::size_t>(n));
+        for (int j = 0; j < n; ++j) {
+          kv[std::size_t(j)] = kvs.data() + j * HD;
+          sc[std::size_t(j)] = scs.data() + j * HD;
+        }
+        const int j0 = n - tail;
+        std::vector<float> hi(HD), lo(HD), mx(HD), ls(HD), h0(HD), l0(HD);
+        std::vector<double> pre(2 * HD);
+        avx2::compressor_pool_channels(hi.data(), lo.data(), kv.data(), sc.data(), n, 0, HD,
+                                       mx.data(), ls.data(), pre.data(), j0);
+        avx2::compressor_pool_channels(h0.data(), l0.data(), kv.data(), sc.data(), n, 0, HD);
+        for (index_t c = 0; c < HD; ++c)
+          ASSERT_TRUE(bits(hi[c]) == bits(h0[c]) && bits(lo[c]) == bits(l0[c])) << "kept sums";
+        for (std::size_t i = std::size_t(j0 * HD); i < kvs.size(); ++i) {
+          kvs[i] = std::nextafter(kvs[i], 1e30f);
+          scs[i] = std::nextafter(scs[i], rep % 3 == 0 ? 1e30f : -1e30f);
+        }
+        if (rep % 2 == 1) {  // a changed score past its block's max
+          const index_t c = 8 * ((rep / 2) % 4) + 3;
+          scs[std::size_t((n - 1) * HD + c)] = mx[std::size_t(c)] + 1.0f;
+        }
+        std::vector<float> hf(HD), lf(HD);
+        avx2::compressor_pool_channels(hf.data(), lf.data(), kv.data(), sc.data(), n, 0, HD);
+        for (index_t c0 = 0; c0 < HD; c0 += 8) {
+          bool same_max = true;
+          for (index_t c = c0; c < c0 + 8; ++c) {
+            float m = td::kNegBig;
+            for (int j = 0; j < n; ++j) m = std::max(m, scs[std::size_t(j * HD + c)]);
+            same_max = same_max && bits(m) == bits(mx[std::size_t(c)]);
+          }
+          std::vector<float> hr = hi, lr = lo;
+          const bool ok = avx2::compressor_pool_resume(hr.data(), lr.data(), kv.data(), sc.data(),
+                                                       n, c0, j0, pre.data(), mx.data());
+          EXPECT_EQ(ok, same_max) << "n " << n << " rep " << rep << " block " << c0;
+          for (index_t c = c0; c < c0 + 8; ++c) {
+            const std::size_t u = std::size_t(c);
+            if (ok)
+              EXPECT_TRUE(bits(hr[u]) == bits(hf[u]) && bits(lr[u]) == bits(lf[u]))
+                  << "n " << n << " rep " << rep << " channel " << c;
+            else
+              EXPECT_TRUE(bits(hr[u]) == bits(hi[u]) && bits(lr[u]) == bits(lo[u]))
+                  << "written where the max moved: n " << n << " channel " << c;
+          }
+          (ok ? resumed : moved) += 1;
+        }
+      }
+  EXPECT_GT(resumed, 100);
+  EXPECT_GT(moved, 20);
+#else
+  GTEST_SKIP() << "AVX2 is x86 only";
+#endif
+}
+
 // --- Every tier gives the same bits ------------------------------------------------------------
 // The projections share one order (backend/cpu/bf16_rows_avx2.hpp; on avx512 with
 // Bf16Dot::fma), and the pooling in double, the norm, the RoPE and the Hadamard are the same

@@ -462,6 +462,80 @@ TEST(ExactDots, RoundedGatheredRowsAreGoldensFloatOnEveryTier) {
   EXPECT_EQ(bad, 0) << "of " << dots;
 }
 
+// The rounded dots' second certificate (bf16_rounded.hpp, sums_exact): where no addition rounds,
+// its own order is golden's sum. Planted where the first certificate fails and golden's sum rounds:
+// products 2^(m + 53) at k = 0 and −2^(m + 53) at k = 32 (one lane), and q, q at k = 1 and 33
+// (another lane), m the least bit of q (every other value 0). Golden's sum rounds 2^(m + 53) + q
+// (a tie, to even), the lanes add q + q exactly: the FP32 results differ, and Σ|p| = 2^(m + 54)
+// is past the test's 2^(m + 53), so the dot is golden's order. m from a normal q (1 + 2^-7)²
+// (m = -14) and from a BF16 subnormal x (2^-133 (1 + 2^-7), m = -140). A test that trusted its
+// own order two bits further (2^(m + 55)), or that left the subnormals out of m, fails here.
+TEST(ExactDots, RoundedDotsTrustTheirOwnOrderOnlyWhereNoSumRounds) {
+  struct Plant {
+    const char* what;
+    float big_x, big_w, qx, qw;  // x[0] = x[32] = big_x, w[0] = big_w = −w[32]; x, w at 1, 33
+  };
+  const float q = 1.0f + 0x1p-7f;
+  const Plant plants[] = {{"normal", 0x1p30f, 0x1p9f, q, q},
+                          {"subnormal x", 0x1p-60f, 0x1p-27f, 0x1p-133f, q}};
+  int cases = 0;
+  for (const Plant& p : plants)
+    for (index_t d : {64, 100, 4096})
+      for (int nt : {1, 2, 3, 4}) {
+        std::vector<bf16> x(static_cast<std::size_t>(d), bf16(0.0f)), w = x;
+        x[0] = x[32] = bf16(p.big_x);
+        w[0] = bf16(p.big_w), w[32] = bf16(-p.big_w);
+        x[1] = x[33] = bf16(p.qx);
+        w[1] = w[33] = bf16(p.qw);
+        const double e = td::cpu::bf16_dot_exact(x.data(), w.data(), d);
+        const double exact = 2.0 * double(bf16(p.qx).to_float()) * double(bf16(p.qw).to_float());
+        ASSERT_NE(float(e), float(exact)) << p.what << ": golden's sum must round here";
+        std::vector<const bf16*> xs(static_cast<std::size_t>(nt), x.data());
+        const bf16* rows[3] = {w.data(), w.data(), w.data()};
+        const float norm = td::bf16_norm_bound(w.data(), d);
+        const float norms[3] = {norm, norm, norm};
+        for (Isa isa : tiers()) {
+          std::vector<float> o(static_cast<std::size_t>(nt * 3), -1.0f);
+          td::cpu::bf16_rows_gather_dots_rounded(isa, nt, xs.data(), 3, rows, norms, d, o.data(),
+                                                 3);
+          for (std::size_t i = 0; i < o.size(); ++i)
+            EXPECT_EQ(std::bit_cast<std::uint32_t>(o[i]), std::bit_cast<std::uint32_t>(float(e)))
+                << p.what << " " << name(isa) << " d " << d << " nt " << nt << " dot " << i;
+        }
+        ++cases;
+      }
+  EXPECT_EQ(cases, 24);
+}
+
+// rounding_check::bf16_abs_max on every tier: the plain max of the magnitudes' bits (NaN above
+// +Inf, its payload kept), at lengths around the AVX2 kernel's 32 values an iteration.
+TEST(RoundingCheck, Bf16AbsMaxIsThePlainMaxOnEveryTier) {
+  Mix m{17};
+  int cases = 0;
+  for (index_t k : {0, 1, 31, 32, 33, 63, 64, 65, 100, 4096, 4097})
+    for (int plant = 0; plant < 6; ++plant) {
+      std::vector<bf16> x(static_cast<std::size_t>(std::max<index_t>(k, 1)));
+      fill_bf16(x, m.next(), -3.0f, 3.0f);
+      if (k > 0) {
+        const std::size_t at = plant % 2 == 0 ? std::size_t(k - 1) : std::size_t(m.next() % k);
+        const std::uint16_t bits[] = {0xc0f0, 0x7fc1, 0xff80, 0x0001, 0x8000, 0x4480};
+        x[at].bits = bits[plant];
+        if (plant == 3 || plant == 4)  // only tiny values, or only zeros
+          for (bf16& v : x) v.bits = std::uint16_t(plant == 3 ? 0x0001 + m.next() % 4 : 0x8000);
+      }
+      int ref = 0;
+      for (index_t i = 0; i < k; ++i) ref = std::max(ref, int(x[std::size_t(i)].bits & 0x7fff));
+      const float want = bf16::from_bits(std::uint16_t(ref)).to_float();
+      for (Isa isa : tiers())
+        EXPECT_EQ(
+            std::bit_cast<std::uint32_t>(td::cpu::rounding_check::bf16_abs_max(isa, x.data(), k)),
+            std::bit_cast<std::uint32_t>(want))
+            << name(isa) << " k " << k << " plant " << plant;
+      ++cases;
+    }
+  EXPECT_EQ(cases, 66);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Q8 (core/quant.hpp, cpu::quantize_q8_row): every caller's quantiser.
 

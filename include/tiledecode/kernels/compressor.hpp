@@ -224,13 +224,14 @@ constexpr index_t ws_round(index_t n) {
 // Workspace (FP32 elements) one compressor step with `tokens` = B*S rows needs:
 // x_n widened to FP32 (T, D), the projected state rows (T, 2*OUT_DIM), one masked state row,
 // the pooled / normalised / rotated row buffers, and the rounding check's row, bounds, norm_w,
-// listing flags (head_dim INT32), the written tokens' slots (T INT64) and token order (T INT32).
+// the pooling's kept sums (2 head_dim doubles), listing flags (head_dim INT32), the written
+// tokens' slots (T INT64) and token order (T INT32).
 constexpr index_t compressor_workspace_size(const ModelConfig& cfg, const CompressorSpec& spec,
                                             index_t tokens) {
   return detail::ws_round(tokens * cfg.hidden) + detail::ws_round(tokens * spec.state_width()) +
          detail::ws_round(spec.state_width()) + 8 * detail::ws_round(spec.head_dim) +
-         2 * detail::ws_round(2 * spec.head_dim) + detail::ws_round(2 * tokens) +
-         detail::ws_round(tokens);
+         2 * detail::ws_round(2 * spec.head_dim) + detail::ws_round(4 * spec.head_dim) +
+         detail::ws_round(2 * tokens) + detail::ws_round(tokens);
 }
 
 // ---------------------------------------------------------------------------------------------

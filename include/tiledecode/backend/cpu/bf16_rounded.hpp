@@ -20,18 +20,32 @@
 //     kernels::compressor_row_norms, +Inf where it trusts nothing);
 //   * where FP32 rounding gives the same bits at both ends of [s' − e, s' + e] (widened
 //     by its own endpoints' roundings), golden's float(s) is float(s') (rounding is monotone; the
-//     bits are compared, so an interval across ±0 is not certified); otherwise, or where s' or e
-//     is not finite (a NaN or ±Inf input, an unbounded norm), the dot is computed again in
-//     golden's order (bf16_dot_exact): IEEE NaN / Inf behaviour is golden's.
+//     bits are compared, so an interval across ±0 is not certified);
+//   * otherwise, where no addition of either sum rounds, s' = s (sums_exact: every product is a
+//     multiple of 2^m, m from the least significant bits of the two rows' values, and where
+//     Σ|x_k w_k| <= 2^(m + 53) every partial sum, in any order, is an integer of at most 53 bits
+//     times 2^m: a double), so float(s') is golden's again;
+//   * otherwise, or where s', e or the norms are not finite (a NaN or ±Inf input, an unbounded
+//     norm), the dot is computed again in golden's order (bf16_dot_exact): IEEE NaN / Inf
+//     behaviour is golden's.
 // Every tier gives golden's bits. At the compressors' statistics e is ~3e-11 of |s| against a
-// half FP32 ulp of ≥ 6e-8, so about 1 % of dots go to the second sum (measured on
-// bench_compressor's live windows: 0.5 % of a CSA step's, 1.6 % of HCA's, 0.8 % of inner's).
+// half FP32 ulp of ≥ 6e-8, so about 1 % of dots miss the certificate (measured on
+// bench_compressor's live windows: 0.5 % of a CSA step's, 1.5 % of HCA's, 0.8 % of inner's); the
+// exactness test (a pass over both rows' exponent fields, against golden's chain of d dependent
+// additions, ~12k cycles at d = 4096) keeps every one of those (0.64, 0.57 and 0.29 dots a step:
+// none went to golden's order in 400 steps each; the products span far less than 2^53 there).
 //
-// The cost (AVX2, Zen 3): widening the weights is the bound (vcvtps2pd is two µops there), the
-// same as the few-token kernel's, without its 8 × 8 transposes: measured in docs/compressors.md.
-// The AVX-512 tier runs the AVX2 kernel (a 512-bit one is left for a host where it can be
-// measured). Scalar and other targets: golden's order (bf16_rows_gather_dots_exact). Neither throws
-// or allocates; the AVX2 kernel's scratch is on the stack (20 KB).
+// The cost (AVX2, Zen 3): widening the weights is the bound. They are widened by moving their bits
+// into a double's fields (a sign extension, a shift and a mask, no vcvtps2pd: two µops there),
+// which gives w · 2^-896 exactly (below); x is widened once per block as x · 2^895, so each product
+// is x w / 2, exact, and s' is twice the lanes' tree, bit for bit the sum of the unscaled products
+// in the same order (halving commutes with each rounding: every nonzero partial sum is a multiple
+// of 2^-267, the smallest BF16 product halved, so none is subnormal; |x| 2^895 < 2^1023). The
+// fields of a non-finite w give a finite double, so the certificate needs finite norms to trust s'
+// (the contract below: a row with an Inf or a NaN has norm +Inf, as bf16_norm_bound gives it). The
+// AVX-512 tier runs the AVX2 kernel (a 512-bit one is left for a host where it can be measured).
+// Scalar and other targets: golden's order (bf16_rows_gather_dots_exact). Neither throws or
+// allocates; the AVX2 kernel's scratch is on the stack (20 KB).
 
 #include <algorithm>
 #include <bit>
@@ -74,16 +88,27 @@ TILEDECODE_TARGET_AVX2 inline __m256d lo4(__m128i c) {
 TILEDECODE_TARGET_AVX2 inline __m256d hi4(__m128i c) {
   return _mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpackhi_epi16(_mm_setzero_si128(), c)));
 }
+// w[0 .. 4) · 2^-896 as doubles, exactly, for finite w: BF16 bits s|e|m (8 exponent bits, 7
+// fraction bits) become the double s|000e|m·2^45 (the value sign-extended, shifted left by 45,
+// the three copies of the sign above the exponent cleared): a normal BF16 2^(e−127) (1 + m/128)
+// becomes 2^(e−1023) (1 + m/128), a subnormal m 2^-133 becomes the subnormal double m 2^-1029.
+TILEDECODE_TARGET_AVX2 inline __m256d scaled4(const bf16* w) {
+  const __m256i v = _mm256_cvtepi16_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_castsi256_pd(
+      _mm256_and_si256(_mm256_slli_epi64(v, 45), _mm256_set1_epi64x(0x8fffffffffffffffLL)));
+}
+inline constexpr double kXScale = 0x1p895;  // x's scale in xd: x · 2^895 · w · 2^-896 = x w / 2
 
-// xd[k] = x[k] as double, k < kk (a multiple of 8); with SQ, sq += the squares (exact) in its
-// lanes (x's norm, on the first pass over the rows: no conversions of its own).
+// xd[k] = x[k] · 2^895 as double, k < kk (a multiple of 8); with SQ, sq += the squares (exact,
+// unscaled) in its lanes (x's norm, on the first pass over the rows: no conversions of its own).
 template <bool SQ>
 TILEDECODE_TARGET_AVX2 inline void widen(double* xd, const bf16* x, index_t kk, __m256d& sq) {
+  const __m256d scale = _mm256_set1_pd(kXScale);
   for (index_t k = 0; k < kk; k += 8) {
     const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k));
     const __m256d l = lo4(c), h = hi4(c);
-    _mm256_store_pd(xd + k, l);
-    _mm256_store_pd(xd + k + 4, h);
+    _mm256_store_pd(xd + k, _mm256_mul_pd(l, scale));
+    _mm256_store_pd(xd + k + 4, _mm256_mul_pd(h, scale));
     if constexpr (SQ)
       sq = _mm256_add_pd(sq, _mm256_add_pd(_mm256_mul_pd(l, l), _mm256_mul_pd(h, h)));
   }
@@ -100,8 +125,8 @@ TILEDECODE_TARGET_AVX2 inline double norm_bound(__m256d sq, const bf16* x, index
 }
 
 // The lanes of one row against NT tokens over kk k (a multiple of 4U): acc[(t · U + u) · 4 + l]
-// += w[k] · xd[t · kBlockK + k] for k ≡ 4u + l (mod 4U), ascending. next: the row read after this
-// block, prefetched a line per 32 k (nullptr: none).
+// += w[k] · 2^-896 · xd[t · kBlockK + k] (x w / 2) for k ≡ 4u + l (mod 4U), ascending. next: the
+// row read after this block, prefetched a line per 32 k (nullptr: none).
 template <int NT>
 TILEDECODE_TARGET_AVX2 inline void lanes(double* acc, const double* xd, const bf16* w, index_t kk,
                                          const bf16* next) {
@@ -112,12 +137,8 @@ TILEDECODE_TARGET_AVX2 inline void lanes(double* acc, const double* xd, const bf
   for (index_t k = 0; k < kk; k += 4 * U) {
     if (next && k % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(next + k), _MM_HINT_T0);
     __m256d f[U];
-#pragma GCC unroll 2
-    for (int h = 0; h < U / 2; ++h) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 8 * h));
-      f[2 * h] = lo4(c);
-      f[2 * h + 1] = hi4(c);
-    }
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) f[u] = scaled4(w + k + 4 * u);
 #pragma GCC unroll 4
     for (int t = 0; t < NT; ++t)
 #pragma GCC unroll 4
@@ -128,13 +149,54 @@ TILEDECODE_TARGET_AVX2 inline void lanes(double* acc, const double* xd, const bf
     for (int u = 0; u < U; ++u) _mm256_store_pd(acc + (t * U + u) * 4, a[t][u]);
 }
 
-// s' of row w and token t from its lanes (the header's tree) and the tail k in [dm, d).
+// The exactness test (header): each finite nonzero BF16 v is a multiple of 2^(max(E, 1) − 134),
+// E its exponent field (the leading bit's 2^(E − 127), 7 fraction bits below it; subnormals as
+// E = 1), so x_k · w_k is a multiple of 2^(Ex + Ew − 268). min_lsb_fields: the least Ex + Ew
+// (each field at least 1) over the k where neither value is ±0 (their products add nothing);
+// kNoProducts where there is none. Infinite and NaN values count by their field (255): the caller
+// asks only where every product is finite.
+inline constexpr int kNoProducts = 0x4000;
+TILEDECODE_TARGET_AVX2 inline int min_lsb_fields(const bf16* x, const bf16* w, index_t d) {
+  const __m256i mag = _mm256_set1_epi16(0x7FFF), one = _mm256_set1_epi16(1),
+                none = _mm256_set1_epi16(kNoProducts), zero = _mm256_setzero_si256();
+  __m256i mn = none;
+  index_t k = 0;
+  for (; k + 16 <= d; k += 16) {
+    const __m256i a =
+        _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k)), mag);
+    const __m256i b =
+        _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)), mag);
+    const __m256i e = _mm256_add_epi16(_mm256_max_epi16(_mm256_srli_epi16(a, 7), one),
+                                       _mm256_max_epi16(_mm256_srli_epi16(b, 7), one));
+    const __m256i z = _mm256_or_si256(_mm256_cmpeq_epi16(a, zero), _mm256_cmpeq_epi16(b, zero));
+    mn = _mm256_min_epi16(mn, _mm256_or_si256(e, _mm256_and_si256(z, none)));  // e <= 510
+  }
+  const __m128i m8 = _mm_min_epi16(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1));
+  int r = _mm_extract_epi16(_mm_minpos_epu16(m8), 0);
+  for (; k < d; ++k) {
+    const int a = x[k].bits & 0x7FFF, b = w[k].bits & 0x7FFF;
+    if (a != 0 && b != 0) r = std::min(r, std::max(a >> 7, 1) + std::max(b >> 7, 1));
+  }
+  return r;
+}
+// Whether every partial sum of x_k · w_k (k < d, in any order, from +0) is exact in double, given
+// sum_abs >= Σ|x_k w_k| (the header's second case): each is a multiple of 2^m, m = f − 268, of
+// magnitude at most Σ|x_k w_k| <= 2^(m + 53). A finite sum_abs makes every product finite.
+TILEDECODE_TARGET_AVX2 inline bool sums_exact(const bf16* x, const bf16* w, index_t d,
+                                              double sum_abs) {
+  if (!(sum_abs <= DBL_MAX)) return false;  // NaN, +Inf: an unbounded norm or input
+  const int f = min_lsb_fields(x, w, d);
+  return f >= kNoProducts || sum_abs <= std::ldexp(1.0, f - 268 + 53);
+}
+
+// s' of row w and token t from its lanes (the header's tree, of the halved products: doubled,
+// exactly) and the tail k in [dm, d).
 template <int U>
 inline double reduce(const double* acc, const bf16* x, const bf16* w, index_t dm, index_t d) {
   double v[4];
   for (int l = 0; l < 4; ++l)
     v[l] = U == 4 ? (acc[l] + acc[4 + l]) + (acc[8 + l] + acc[12 + l]) : acc[l] + acc[4 + l];
-  double s = (v[0] + v[1]) + (v[2] + v[3]);
+  double s = 2.0 * ((v[0] + v[1]) + (v[2] + v[3]));
   for (index_t k = dm; k < d; ++k) s += double(x[k].to_float()) * double(w[k].to_float());
   return s;
 }
@@ -175,8 +237,9 @@ TILEDECODE_TARGET_AVX2 inline void gather(const bf16* const* xs, int n, const bf
       const bf16* w = rows[j0 + j];
       for (int t = 0; t < NT; ++t) {
         const double s = reduce<U>(acc[j] + t * U * 4, xs[t], w, dm, d);
-        const double e = g * nx[t] * double(norms[j0 + j]);
-        out[t * ld_out + j0 + j] = cpu::rounded_detail::certified(s, e)
+        const double nn = nx[t] * double(norms[j0 + j]);  // >= Σ|x_k w_k| but its rounding
+        out[t * ld_out + j0 + j] = cpu::rounded_detail::certified(s, g * nn) ||
+                                           sums_exact(xs[t], w, d, nn * (1.0 + 0x1p-50))
                                        ? float(s)
                                        : float(bf16_dot_exact(xs[t], w, d));  // golden's order
       }
@@ -190,8 +253,8 @@ TILEDECODE_TARGET_AVX2 inline void gather(const bf16* const* xs, int n, const bf
 // out[t·ld_out + j] = float(bf16_dot_exact(xs[t], rows[j], d)) for t < nt, j < n (any nt, n >= 0):
 // golden's ascending double sum of each token row with each weight row, both by pointer, rounded
 // once to FP32, with golden's bits on every tier (the header: the lanes on k, certified, golden's
-// order where the certificate fails). norms[j] >= ‖rows[j]‖₂ (an upper bound; +Inf: every dot of
-// that row in golden's order).
+// order where the certificates fail). norms[j] >= ‖rows[j]‖₂ (an upper bound; +Inf, as
+// bf16_norm_bound gives for a row with an Inf or a NaN: every dot of that row in golden's order).
 inline void bf16_rows_gather_dots_rounded(Isa isa, int nt, const bf16* const* xs, int n,
                                           const bf16* const* rows, const float* norms, index_t d,
                                           float* out, index_t ld_out) {

@@ -96,6 +96,8 @@ struct CompressorWorkspace {
   float* mx;        // (head_dim) the rounding check: the pooling's softmax max per channel
   float* ls;        // (head_dim) the rounding check: its weight sum Σ e^(s - max), FP32
   float* nw;        // (head_dim) the rounding check: norm_w as FP32
+  double* pre;      // (2 head_dim) the rounding check: the AVX2 pooling's sums before the written
+                    // candidates (avx2::compressor_pool_resume)
   std::int32_t* hit;      // (head_dim) the rounding check: the listing's flags per value
   std::int64_t* keys;     // (T) the rounding check: the state slot of written[i] (unmapped last)
   std::int32_t* written;  // (T) the rounding check: tokens sorted by (state slot, t)
@@ -116,7 +118,9 @@ inline CompressorWorkspace carve_workspace(const ModelConfig& cfg, const Compres
   w.mx = w.bound_r + ws_round(2 * spec.head_dim);
   w.ls = w.mx + ws_round(spec.head_dim);
   w.nw = w.ls + ws_round(spec.head_dim);
-  w.hit = reinterpret_cast<std::int32_t*>(w.nw + ws_round(spec.head_dim));
+  w.pre = reinterpret_cast<double*>(w.nw + ws_round(spec.head_dim));
+  w.hit =
+      reinterpret_cast<std::int32_t*>(w.nw + ws_round(spec.head_dim) + ws_round(4 * spec.head_dim));
   w.keys = reinterpret_cast<std::int64_t*>(w.hit + ws_round(spec.head_dim));
   w.written = reinterpret_cast<std::int32_t*>(w.keys) + ws_round(2 * T);
   return w;
@@ -231,6 +235,8 @@ struct backend_ops_compressor {
     const Cpu<I>* be;
     Ws ws;
     double r = 0.0;  // the last norm_rope's RMS factor
+    // The first candidate after the sums the last pool kept in ws.pre (-1: none kept).
+    int pre_j = -1;
   };
   // Requests in order on the calling thread (each pooling is parallel over channel blocks).
   template <class Body>
@@ -273,6 +279,10 @@ struct backend_ops_compressor {
       }
     }
 #endif
+    // The rounding check's re-pooling resumes after the candidates before the request's tokens
+    // (the last S of the window at most: positions ascend), from sums the AVX2 pooling keeps.
+    [[maybe_unused]] const int pre_j = std::max(0, n - int(a.meta.shape.seq));
+    z.pre_j = avx2 && I != Isa::avx512 && checking(*z.be, a) ? pre_j : -1;
     // Channel blocks only where the window is long enough to be worth a task (shape-only rule).
     const index_t grain = n >= 64 ? 128 : HD;
     z.be->tasks((HD + grain - 1) / grain, [&](std::int64_t i) {
@@ -283,7 +293,8 @@ struct backend_ops_compressor {
                                          z.ws.ls);
         return;
       } else if constexpr (avx2) {
-        avx2::compressor_pool_channels(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1, z.ws.mx, z.ws.ls);
+        avx2::compressor_pool_channels(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1, z.ws.mx, z.ws.ls,
+                                       z.pre_j >= 0 ? z.ws.pre : nullptr, pre_j);
         return;
       }
 #endif
@@ -305,6 +316,17 @@ struct backend_ops_compressor {
     }
 #endif
     kernels::detail::pool_channels_scalar(hi, lo, kv, sc, n, c, c + 8);
+  }
+  // pool_block from the sums the pooling kept before candidate j0 (ws.pre), where the block's max
+  // has not moved (the same bits); false where it did, or on tiers that keep none.
+  static bool resume_block(const float* const* kv, const float* const* sc, int n, const Ws& ws,
+                           index_t c, int j0) {
+#if TILEDECODE_X86
+    if constexpr (avx2 && I != Isa::avx512)
+      return avx2::compressor_pool_resume(ws.pooled, ws.z, kv, sc, n, c, j0, ws.pre, ws.mx);
+#endif
+    (void)kv, (void)sc, (void)n, (void)ws, (void)c, (void)j0;
+    return false;
   }
   // The kv and score rows of window c of request b (rules::compressor_candidates, state rows read
   // through the table by absolute position; an unmapped one reads the null row); returns their
@@ -373,23 +395,25 @@ struct backend_ops_compressor {
   //     bf16(fp32(y_i − Y_i)) != bf16(fp32(y_i + Y_i)) (the two roundings are monotone, so golden's
   //     y, within Y_i, rounds as y does otherwise).
   // Repairs (a part: one weight row's dots for every written candidate, its bound then 0; its
-  // 8-channel block re-pooled by the tier's kernel, every tier's bits; repair_parts: the
-  // candidates of one half through the rows together), in three steps. First, while a listed
-  // channel has a part left: those parts (own_parts: per listed value its parts, a RoPE pair's
-  // four, largest first until the value with the rest's bounds holds no boundary), listed again
-  // after each, up to half the parts. Then, while a value is still listed (ρ: golden's r needs more
-  // channels), rounds of kRhoBatch channels, a listed one not yet repaired first, then the largest
-  // shares of ρ's sum of squares (next_channels), each round listed again, up to half the parts;
-  // past that, every channel of every written candidate (bf16_rows_dot_exact, a pass over the
-  // half's weight rows per run of consecutive tokens), and the row is pooled again. A part reads
-  // one weight row (the full repair: all 2 · head_dim of the half), so the steps save what they
-  // leave out: on bench_compressor's live windows no row went past them (CSA: 2.8 channels a row
-  // on average in the rounds, where 4.7 % of rows took all 512 before; docs/compressors.md). The
-  // pooling hands the check its softmax max and weight sum per channel (ws.mx, ws.ls), so the
-  // bound costs an exp per written candidate and channel only. The repaired state values are
-  // golden's, and they stay in the pool. A row with a non-finite y is not checked (its policy is
-  // the kernel's). Opt-in (CompressorWeights::row_norms): its cost exceeds the 5 % budget on steps
-  // that close windows. Cost and rates: docs/compressors.md ("Rounding accuracy").
+  // 8-channel block re-pooled by the tier's kernel, every tier's bits, on the AVX2 tiers from the
+  // sums the pooling kept before the written candidates where the block's max did not move,
+  // resume_block; repair_parts: the candidates of one half through the rows together), in three
+  // steps. First, while a listed channel has a part left: those parts (own_parts: per listed value
+  // its parts, a RoPE pair's four, largest first until the value with the rest's bounds holds no
+  // boundary), listed again after each, up to half the parts. Then, while a value is still listed
+  // (ρ: golden's r needs more channels), rounds of kRhoBatch channels, a listed one not yet
+  // repaired first, then the largest shares of ρ's sum of squares (next_channels), each round
+  // listed again, up to half the parts; past that, every channel of every written candidate
+  // (bf16_rows_dot_exact, a pass over the half's weight rows per run of consecutive tokens), and
+  // the row is pooled again. A part reads one weight row (the full repair: all 2 · head_dim of the
+  // half), so the steps save what they leave out: on bench_compressor's live windows no row went
+  // past them (CSA: 2.8 channels a row on average in the rounds, where 4.7 % of rows took all 512
+  // before; docs/compressors.md). The pooling hands the check its softmax max and weight sum per
+  // channel (ws.mx, ws.ls), so the bound costs an exp per written candidate and channel only. The
+  // repaired state values are golden's, and they stay in the pool. A row with a non-finite y is not
+  // checked (its policy is the kernel's). Opt-in (CompressorWeights::row_norms): its cost exceeds
+  // the 5 % budget on steps that close windows. Cost and rates: docs/compressors.md ("Rounding
+  // accuracy").
   static constexpr int kMaxChannels = 32;  // channel repairs per row; past that, every channel
   static constexpr int kRhoBatch = 16;     // channels per round of the repairs for ρ
 
@@ -484,7 +508,7 @@ struct backend_ops_compressor {
     const int n = window_rows(z, a, b, c, kv, sc, rows);
     WrittenCand wc[2 * 128];
     compressor_check::Written wr[2 * 128];
-    int nw = 0;
+    int nw = 0, first = n;  // first: the first written candidate
     const float* nk = a.w.row_norms.data();
     for (int j = 0; j < n; ++j) {
       if (rows[j] < 0) continue;
@@ -493,11 +517,15 @@ struct backend_ops_compressor {
       float* row = a.state_pool.data() + rows[j] * ld;
       const index_t off = kv[j] - row;
       const float ax =  // 2^-24 · max_k |x_n[t, k]|
-          0x1p-24f * rounding_check::bf16_abs_max(&a.x_n(t, 0), D);
+          0x1p-24f * rounding_check::bf16_abs_max(I, &a.x_n(t, 0), D);
       wr[nw] = {kv[j], sc[j], nk + off, nk + OUT + off, &a.w.ape(a.meta.positions(t) % R, off), ax};
       wc[nw] = {t, row, off};
       ++nw;
+      first = std::min(first, j);
     }
+    // Whether a repaired block resumes from the pooling's sums (every written candidate after
+    // them).
+    const bool resume = z.pre_j >= 0 && first >= z.pre_j;
     if (nw == 0) return;  // every candidate is an input: y is golden's
     compressor_check::pool_bound(I, ws.bound, ws.bound_r, ws.pooled, ws.mx, ws.ls, wr, nw, HD);
     const index_t rope_pos = a.rope_position(b, c);
@@ -518,7 +546,8 @@ struct backend_ops_compressor {
         ws.bound_r[parts[i]] = 0.0f;
         if (std::find(blocks, blocks + nb, blk) == blocks + nb) {
           blocks[nb++] = blk;
-          pool_block(kv, sc, n, ws.pooled, ws.z, 8 * blk);
+          if (!(resume && resume_block(kv, sc, n, ws, 8 * blk, z.pre_j)))
+            pool_block(kv, sc, n, ws.pooled, ws.z, 8 * blk);
         }
       }
       norm_rope(z, a, rope_pos);

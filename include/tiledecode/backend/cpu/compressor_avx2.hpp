@@ -109,12 +109,13 @@ TILEDECODE_TARGET_AVX2 inline void compressor_project_rows(float* out, index_t l
   bf16_rows_dot<false>(out, ld_out, x, ld_x, n_tok, w, ld_w, n_rows, d, n_rows_pf);
 }
 
-// The sums of compressor_pool_channels for channels c .. c+7, candidates in ascending order.
+// The sums of compressor_pool_channels for channels c .. c+7, candidates j0 .. j1 - 1 in ascending
+// order.
 template <bool kClamp>
 TILEDECODE_TARGET_AVX2 inline void pool_sums(__m256d& l0, __m256d& l1, __m256d& a0, __m256d& a1,
                                              const float* const* kv, const float* const* score,
-                                             int n_cand, index_t c, __m256d m0, __m256d m1) {
-  for (int j = 0; j < n_cand; ++j) {
+                                             int j0, int j1, index_t c, __m256d m0, __m256d m1) {
+  for (int j = j0; j < j1; ++j) {
     // 4-float loads widened straight to double (no 128-bit extract: 7 % faster on SPR).
     const __m256d p0 =
         exp_pd<kClamp>(_mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(score[j] + c)), m0));
@@ -137,9 +138,23 @@ TILEDECODE_TARGET_AVX2 inline void pool_sums(__m256d& l0, __m256d& l1, __m256d& 
 // (e^(Inf - Inf)), makes the channel NaN (a NaN score may drop out of the max, its own e^ is NaN);
 // a -Inf score has weight 0; a channel whose every score is -Inf pools to 0 / 0 = NaN, as golden.
 // Masked candidates score kNegBig (weight e^(kNegBig - m) = 0 unless every score is kNegBig).
+// With pre (the rounding check, backend/cpu/compressor.hpp): the sums after the candidates before
+// j0 are kept, pre[2c .. 2c + 16) = l0, l1, acc0, acc1 of channels c .. c + 7
+// (compressor_pool_resume). hi, lo of channels c .. c + 7 from the sums: pooled = acc / l as the
+// FP32 pair.
+TILEDECODE_TARGET_AVX2 inline void pool_store(float* hi, float* lo, index_t c, __m256d l0,
+                                              __m256d l1, __m256d a0, __m256d a1) {
+  const __m256d q0 = _mm256_div_pd(a0, l0), q1 = _mm256_div_pd(a1, l1);
+  const __m128 h0 = _mm256_cvtpd_ps(q0), h1 = _mm256_cvtpd_ps(q1);
+  _mm_storeu_ps(hi + c, h0);
+  _mm_storeu_ps(hi + c + 4, h1);
+  _mm_storeu_ps(lo + c, _mm256_cvtpd_ps(_mm256_sub_pd(q0, _mm256_cvtps_pd(h0))));
+  _mm_storeu_ps(lo + c + 4, _mm256_cvtpd_ps(_mm256_sub_pd(q1, _mm256_cvtps_pd(h1))));
+}
+
 TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(
     float* hi, float* lo, const float* const* kv, const float* const* score, int n_cand, index_t c0,
-    index_t c1, float* mx = nullptr, float* ls = nullptr) {
+    index_t c1, float* mx = nullptr, float* ls = nullptr, double* pre = nullptr, int j0 = 0) {
   for (index_t c = c0; c < c1; c += 8) {
     __m256 m8 = _mm256_set1_ps(kNegBig), n8 = _mm256_set1_ps(INFINITY);
     for (int j = 0; j < n_cand; ++j) {
@@ -159,22 +174,53 @@ TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(
                            _mm256_movemask_pd(_mm256_cmp_pd(d1, x_lo, _CMP_GE_OQ))) == 0xf;
     __m256d l0 = _mm256_setzero_pd(), l1 = _mm256_setzero_pd();
     __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    const int jp = pre ? std::min(j0, n_cand) : 0;  // the sums kept after jp candidates
     if (in_range)
-      pool_sums<false>(l0, l1, a0, a1, kv, score, n_cand, c, m0, m1);
+      pool_sums<false>(l0, l1, a0, a1, kv, score, 0, jp, c, m0, m1);
     else
-      pool_sums<true>(l0, l1, a0, a1, kv, score, n_cand, c, m0, m1);
-    const __m256d q0 = _mm256_div_pd(a0, l0), q1 = _mm256_div_pd(a1, l1);
-    const __m128 h0 = _mm256_cvtpd_ps(q0), h1 = _mm256_cvtpd_ps(q1);
-    _mm_storeu_ps(hi + c, h0);
-    _mm_storeu_ps(hi + c + 4, h1);
-    _mm_storeu_ps(lo + c, _mm256_cvtpd_ps(_mm256_sub_pd(q0, _mm256_cvtps_pd(h0))));
-    _mm_storeu_ps(lo + c + 4, _mm256_cvtpd_ps(_mm256_sub_pd(q1, _mm256_cvtps_pd(h1))));
+      pool_sums<true>(l0, l1, a0, a1, kv, score, 0, jp, c, m0, m1);
+    if (pre) {
+      _mm256_storeu_pd(pre + 2 * c, l0);
+      _mm256_storeu_pd(pre + 2 * c + 4, l1);
+      _mm256_storeu_pd(pre + 2 * c + 8, a0);
+      _mm256_storeu_pd(pre + 2 * c + 12, a1);
+    }
+    if (in_range)
+      pool_sums<false>(l0, l1, a0, a1, kv, score, jp, n_cand, c, m0, m1);
+    else
+      pool_sums<true>(l0, l1, a0, a1, kv, score, jp, n_cand, c, m0, m1);
+    pool_store(hi, lo, c, l0, l1, a0, a1);
     if (mx) {  // the rounding check's softmax max and weight sum (backend/cpu/compressor.hpp)
       _mm256_storeu_ps(mx + c, m8);
       _mm_storeu_ps(ls + c, _mm256_cvtpd_ps(l0));
       _mm_storeu_ps(ls + c + 4, _mm256_cvtpd_ps(l1));
     }
   }
+}
+
+// Channels c .. c + 7 pooled again after the candidates from j0 on changed (the rounding check's
+// repairs), from the sums compressor_pool_channels kept there (pre, with its max mx): where the max
+// over every candidate now is mx's (the bits), the sums before j0 are the ones a new pooling would
+// make, so it resumes from them with the same additions in the same order:
+// compressor_pool_channels' bits (exp_pd<true> gives exp_pd<false>'s bits where it is in range).
+// Returns false, and writes nothing, where the max moved.
+TILEDECODE_TARGET_AVX2 inline bool compressor_pool_resume(float* hi, float* lo,
+                                                          const float* const* kv,
+                                                          const float* const* score, int n_cand,
+                                                          index_t c, int j0, const double* pre,
+                                                          const float* mx) {
+  __m256 m8 = _mm256_set1_ps(kNegBig);
+  for (int j = 0; j < n_cand; ++j) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(score[j] + c));
+  const __m256i same =
+      _mm256_cmpeq_epi32(_mm256_castps_si256(m8), _mm256_castps_si256(_mm256_loadu_ps(mx + c)));
+  if (_mm256_movemask_epi8(same) != -1) return false;
+  __m256d l0 = _mm256_loadu_pd(pre + 2 * c), l1 = _mm256_loadu_pd(pre + 2 * c + 4);
+  __m256d a0 = _mm256_loadu_pd(pre + 2 * c + 8), a1 = _mm256_loadu_pd(pre + 2 * c + 12);
+  pool_sums<true>(l0, l1, a0, a1, kv, score, std::min(j0, n_cand), n_cand, c,
+                  _mm256_cvtps_pd(_mm256_castps256_ps128(m8)),
+                  _mm256_cvtps_pd(_mm256_extractf128_ps(m8, 1)));
+  pool_store(hi, lo, c, l0, l1, a0, a1);
+  return true;
 }
 
 // z[j] = Σ_i y[i] * h[i*ld_h + j] for j < n (n % 8 == 0), i ascending (row-vector times matrix),

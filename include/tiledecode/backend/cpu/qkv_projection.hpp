@@ -491,7 +491,7 @@ struct backend_ops_qkv_projection {
     for (index_t i = 0; i < HD; ++i)
       if (!std::isfinite(kd[i])) return;  // the NaN / Inf policy is the kernel's
     const double xa =
-        0x1p-24 * double(rounding_check::bf16_abs_max(a.x_n.data() + t * a.x_n.stride(0), D));
+        0x1p-24 * double(rounding_check::bf16_abs_max(I, a.x_n.data() + t * a.x_n.stride(0), D));
     double e[kMaxHeadDim], er[kMaxHeadDim];
     for (index_t n = 0; n < HD; ++n) {
       const double nrm = double(a.w.wkv_norm(n)), rd = 0x1p-23 * std::fabs(double(kvr[n]));
