@@ -10,12 +10,14 @@
 //   decode_step [--layers 4] [--preset flash|pro] [--context 8192] [--batch 4] [--steps 16]
 //               [--seq 2] [--threads N] [--isa scalar|avx2|avx2_vnni|avx512] [--seed S] [--check]
 //               [--dump DIR] [--dump-weights] [--backend cpu|a2a3] [--trace FILE]
-//               [--bf16-dot automatic|fma|dpbf16|exact]
+//               [--bf16-dot automatic|fma|dpbf16|exact] [--compressor-check]
 //
 // --backend cpu (default): prints a per-kernel wall-time table, tokens/s and peak memory.
 // --bf16-dot exact sums the long BF16 dots (compressor, q/kv and wo_a projections) in double, so
 // every BF16 / INT8 rounding after them rounds as golden's (cpu::Bf16Dot, issue 17); automatic
-// (default) takes the faster kernels of this CPU.
+// (default) takes the faster kernels of this CPU. --compressor-check turns on the compressors'
+// opt-in rounding check (LayerWeightsStorage::enable_compressor_rounding_check: every emitted
+// compressor row rounds as golden's from the step's inputs; CPU backend).
 // --backend a2a3: the SAME decode loop runs on the Ascend a2a3 execution model (backend/a2a3/):
 // every kernel of every layer is its tile program executed on the model's cores, so x_out, the
 // pools and every intermediate are the model's results; the table shows each kernel's PREDICTED
@@ -70,6 +72,7 @@ struct Options {
   std::string backend = "cpu";
   int seq = 2;
   std::string trace;
+  bool compressor_check = false;
 };
 
 [[noreturn]] void usage(int code) {
@@ -79,7 +82,7 @@ struct Options {
       "[--dump "
       "DIR]\n"
       "                   [--dump-weights] [--backend cpu|a2a3] [--seq S] [--trace FILE]\n"
-      "                   [--bf16-dot automatic|fma|dpbf16|exact]\n");
+      "                   [--bf16-dot automatic|fma|dpbf16|exact] [--compressor-check]\n");
   std::exit(code);
 }
 
@@ -135,6 +138,8 @@ Options parse(int argc, char** argv) {
       o.seq = next_int();
     else if (a == "--trace")
       o.trace = next();
+    else if (a == "--compressor-check")
+      o.compressor_check = true;
     else if (a == "--help" || a == "-h")
       usage(0);
     else {
@@ -435,6 +440,10 @@ int main(int argc, char** argv) try {
           "model sums as the chip does");
     be.cpu_ctx.bf16_dot = td::cpu::bf16_dot_from_string("decode_step --bf16-dot", opt.bf16_dot);
   }
+  if (opt.compressor_check && on_a2a3)
+    throw td::Error(
+        "decode_step: --compressor-check is the CPU backend's rounding check; the a2a3 model sums "
+        "as the chip does");
   const index_t T = index_t(B) * S, D = cfg.hidden;
   std::printf(
       "DeepSeek-V4-%s attention decode: %d layers, batch %d x S=%d (MTP, commit 1), context %d, "
@@ -442,7 +451,8 @@ int main(int argc, char** argv) try {
       std::string(cfg.name).c_str(), L, B, S, opt.context, opt.steps, cfg.max_seq_len, threads,
       on_a2a3 ? "a2a3 (execution model on the CPU)"
               : ("cpu, isa " + std::string(td::cpu::to_string(be.cpu_ctx.isa)) + ", bf16 dots " +
-                 std::string(td::cpu::to_string(td::cpu::resolved_bf16_dot(be.cpu_ctx.bf16_dot))))
+                 std::string(td::cpu::to_string(td::cpu::resolved_bf16_dot(be.cpu_ctx.bf16_dot))) +
+                 (opt.compressor_check ? ", compressor rounding check" : ""))
                     .c_str());
 
   // ---- the stack: weights, pools, tables (spec §1.3 deployment, scaled for B > 4)
@@ -457,6 +467,7 @@ int main(int argc, char** argv) try {
     W.push_back(std::make_unique<td::decode::LayerWeightsStorage>(cfg, k));
     td::decode::synthetic::fill_weights(host, *W.back(), cfg, l, opt.seed);
     W.back()->pack(cfg);
+    if (opt.compressor_check) W.back()->enable_compressor_rounding_check();
     C.push_back(std::make_unique<td::decode::LayerCacheStorage>(cfg, k, pools));
     td::decode::synthetic::fill_caches(host, *C.back(), cfg, l, opt.seed);
     weight_bytes += W.back()->bytes();

@@ -281,7 +281,7 @@ struct backend_ops_compressor {
 #endif
     // The rounding check's re-pooling resumes after the candidates before the request's tokens
     // (the last S of the window at most: positions ascend), from sums the AVX2 pooling keeps.
-    [[maybe_unused]] const int pre_j = std::max(0, n - int(a.meta.shape.seq));
+    const int pre_j = std::max(0, n - int(a.meta.shape.seq));
     z.pre_j = avx2 && I != Isa::avx512 && checking(*z.be, a) ? pre_j : -1;
     // Channel blocks only where the window is long enough to be worth a task (shape-only rule).
     const index_t grain = n >= 64 ? 128 : HD;
@@ -411,9 +411,10 @@ struct backend_ops_compressor {
   // before; docs/compressors.md). The pooling hands the check its softmax max and weight sum per
   // channel (ws.mx, ws.ls), so the bound costs an exp per written candidate and channel only. The
   // repaired state values are golden's, and they stay in the pool. A row with a non-finite y is not
-  // checked (its policy is the kernel's). Opt-in (CompressorWeights::row_norms): its cost exceeds
-  // the 5 % budget on steps that close windows. Cost and rates: docs/compressors.md ("Rounding
-  // accuracy").
+  // checked (its policy is the kernel's). Opt-in (CompressorWeights::row_norms): on steps that
+  // close windows its cost is under the 5 % budget for CSA and HCA but not yet for the inner
+  // compressor (measured on Zen 3, AVX2, 2026-12-07). Cost and rates:
+  // docs/compressors.md ("Rounding accuracy").
   static constexpr int kMaxChannels = 32;  // channel repairs per row; past that, every channel
   static constexpr int kRhoBatch = 16;     // channels per round of the repairs for ρ
 

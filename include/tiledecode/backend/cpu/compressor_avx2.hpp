@@ -128,6 +128,17 @@ TILEDECODE_TARGET_AVX2 inline void pool_sums(__m256d& l0, __m256d& l1, __m256d& 
   }
 }
 
+// hi, lo of channels c .. c + 7 from the sums: pooled = acc / l as the FP32 pair.
+TILEDECODE_TARGET_AVX2 inline void pool_store(float* hi, float* lo, index_t c, __m256d l0,
+                                              __m256d l1, __m256d a0, __m256d a1) {
+  const __m256d q0 = _mm256_div_pd(a0, l0), q1 = _mm256_div_pd(a1, l1);
+  const __m128 h0 = _mm256_cvtpd_ps(q0), h1 = _mm256_cvtpd_ps(q1);
+  _mm_storeu_ps(hi + c, h0);
+  _mm_storeu_ps(hi + c + 4, h1);
+  _mm_storeu_ps(lo + c, _mm256_cvtpd_ps(_mm256_sub_pd(q0, _mm256_cvtps_pd(h0))));
+  _mm_storeu_ps(lo + c + 4, _mm256_cvtpd_ps(_mm256_sub_pd(q1, _mm256_cvtps_pd(h1))));
+}
+
 // pooled[c] = Σ_j e^{s_j[c] - m} kv_j[c] / Σ_j e^{s_j[c] - m} for c in [c0, c1) ((c1-c0) % 8 == 0),
 // candidate j read at kv[j][c] and score[j][c], in double (kernels/compressor.hpp, "Pooling in
 // double"): m = the FP32 max over the candidates (_mm256_max_ps(m, s), seeded with kNegBig), then
@@ -140,18 +151,7 @@ TILEDECODE_TARGET_AVX2 inline void pool_sums(__m256d& l0, __m256d& l1, __m256d& 
 // Masked candidates score kNegBig (weight e^(kNegBig - m) = 0 unless every score is kNegBig).
 // With pre (the rounding check, backend/cpu/compressor.hpp): the sums after the candidates before
 // j0 are kept, pre[2c .. 2c + 16) = l0, l1, acc0, acc1 of channels c .. c + 7
-// (compressor_pool_resume). hi, lo of channels c .. c + 7 from the sums: pooled = acc / l as the
-// FP32 pair.
-TILEDECODE_TARGET_AVX2 inline void pool_store(float* hi, float* lo, index_t c, __m256d l0,
-                                              __m256d l1, __m256d a0, __m256d a1) {
-  const __m256d q0 = _mm256_div_pd(a0, l0), q1 = _mm256_div_pd(a1, l1);
-  const __m128 h0 = _mm256_cvtpd_ps(q0), h1 = _mm256_cvtpd_ps(q1);
-  _mm_storeu_ps(hi + c, h0);
-  _mm_storeu_ps(hi + c + 4, h1);
-  _mm_storeu_ps(lo + c, _mm256_cvtpd_ps(_mm256_sub_pd(q0, _mm256_cvtps_pd(h0))));
-  _mm_storeu_ps(lo + c + 4, _mm256_cvtpd_ps(_mm256_sub_pd(q1, _mm256_cvtps_pd(h1))));
-}
-
+// (compressor_pool_resume).
 TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(
     float* hi, float* lo, const float* const* kv, const float* const* score, int n_cand, index_t c0,
     index_t c1, float* mx = nullptr, float* ls = nullptr, double* pre = nullptr, int j0 = 0) {
