@@ -106,6 +106,10 @@ struct Options {
   // (request, logical state-table column) pairs to unmap (set to -1) before the slot mappings
   // are built.
   std::vector<std::pair<int, int>> unmap = {};
+  // A production allocator's state table instead of the fixtures' aliased one (spec §3.8): each
+  // request's columns from its window reach before its start to past its last token own blocks
+  // of their own (ids in request order); the other columns are unmapped.
+  bool disjoint = false;
 };
 
 // The inputs of one step, built like the reference fixtures (spec §3, §10.3).
@@ -151,6 +155,16 @@ Fixture make_fixture(const Options& o) {
   td::paged::build_position_ids(f.positions.view(), o.starts, f.shape, c);
   f.state_table = td::Tensor<std::int32_t, 2>({B, cols});
   td::paged::build_fixture_block_table(f.state_table.view(), f.state_blocks, o.permuted);
+  if (o.disjoint) {
+    std::int32_t next = 0;
+    for (index_t b = 0; b < B; ++b)
+      for (index_t col = 0; col < cols; ++col) {
+        const index_t p = col * f.state_page, s0 = o.starts[std::size_t(b)];
+        const bool used = p + f.state_page > s0 - 2 * f.spec.ratio - 128 && p < s0 + o.seq;
+        f.state_table.view()(b, col) = used ? next++ : -1;
+      }
+    f.state_blocks = next;
+  }
   for (auto [b, col] : o.unmap) f.state_table.view()(b, col) = -1;
   f.state_slots = td::Tensor<std::int64_t, 1>({T});
   td::paged::build_state_slot_mapping(f.state_slots.view(), f.positions.view(),
@@ -445,78 +459,104 @@ TEST(CsaCompressor, RoundingCheckExpIsWithinItsBound) {
 // with the check's own, scale and value (the twin it replaced), and rho_sums gives the four
 // chains' sums of the plain loop bit for bit: rows of 512 and 128 values (the last 64 RoPE pairs)
 // whose y sits within a few bounds of a BF16 rounding boundary, so that about half the values
-// are listed, with random bounds, ρ, norm_w and rotations.
+// are listed, with random bounds, ρ, norm_w and rotations. Then rows at the edges of list_row's
+// FP32 first pass (maybe_near, which must keep every value the double test lists): y at 0-3 times
+// its interval from a boundary; y just above a power of two (the boundary below is half as far
+// in FP32 steps' values) with intervals up to twice that distance; y below 2^-102 (exponent field
+// under 25, where the first pass keeps everything).
 TEST(CsaCompressor, RoundingCheckListingIsListBf16RowsOnEveryTier) {
   namespace cc = td::cpu::compressor_check;
   tdtest::Rng rng(41);
-  long listed = 0, values = 0;
-  for (const index_t hd : {index_t(512), index_t(128)})
-    for (int row = 0; row < 64; ++row) {
-      const index_t rope = 64;
-      std::vector<float> y(hd), y_lo(hd), pooled(hd), plo(hd), nw(hd), bound(2 * hd), br(2 * hd);
-      std::vector<bf16> cs(rope / 2), sn(rope / 2);
-      rng.fill_normal(std::span<float>(pooled), 0.3f);
-      rng.fill_uniform(std::span<float>(nw), 0.8f, 1.2f);
-      rng.fill_uniform(std::span<float>(bound), 0.0f, 2e-6f);
-      rng.fill_uniform(std::span<float>(br), 0.0f, 5e-7f);
-      for (index_t k = 0; k < rope / 2; ++k) {
-        const float a = rng.uniform(0.0f, 6.2831853f);
-        cs[std::size_t(k)] = bf16(std::cos(a)), sn[std::size_t(k)] = bf16(std::sin(a));
+  long listed = 0, values = 0, edge_listed = 0, edge_values = 0;
+  for (int mode = 0; mode < 4; ++mode)
+    for (const index_t hd : {index_t(512), index_t(128)})
+      for (int row = 0; row < 64; ++row) {
+        const index_t rope = 64;
+        std::vector<float> y(hd), y_lo(hd), pooled(hd), plo(hd), nw(hd), bound(2 * hd), br(2 * hd);
+        std::vector<bf16> cs(rope / 2), sn(rope / 2);
+        rng.fill_normal(std::span<float>(pooled), 0.3f);
+        rng.fill_uniform(std::span<float>(nw), 0.8f, 1.2f);
+        rng.fill_uniform(std::span<float>(bound), 0.0f, 2e-6f);
+        rng.fill_uniform(std::span<float>(br), 0.0f, 5e-7f);
+        for (index_t k = 0; k < rope / 2; ++k) {
+          const float a = rng.uniform(0.0f, 6.2831853f);
+          cs[std::size_t(k)] = bf16(std::cos(a)), sn[std::size_t(k)] = bf16(std::sin(a));
+        }
+        for (index_t i = 0; i < 2 * hd; i += 7) bound[std::size_t(i)] = 0.0f;  // repaired parts
+        const double r = rng.uniform(2.0f, 4.0f), rho = rng.uniform(0.0f, 1e-6f);
+        for (index_t i = 0; i < hd; ++i) {
+          const std::size_t u = std::size_t(i);
+          plo[u] = pooled[u] * 0x1p-30f;
+          // A BF16 rounding boundary (a midpoint) near r · p · nw, then y within ~3 bounds of it.
+          const float b = bf16(float(r * pooled[u] * nw[u])).to_float();
+          const float mid = std::bit_cast<float>(std::bit_cast<std::uint32_t>(b) + 0x8000u);
+          const double own =
+              r * double(nw[u]) * (double(bound[u]) + double(bound[std::size_t(hd + i)]));
+          double yd = double(mid) + double(rng.uniform(-2e-5f, 2e-5f));
+          if (mode == 1)  // 0-3 times the value's own interval from the boundary
+            yd = double(mid) + (rng.uniform() < 0.5f ? -1 : 1) * double(rng.uniform(0.0f, 3.0f)) *
+                                   (own + std::fabs(double(mid)) * rho);
+          if (mode == 2) {  // just above ±2^k: the boundary below is 2^(k - 9) away
+            const int k = int(rng.uniform(-20.0f, 20.0f));
+            const double p2 =
+                std::ldexp(1.0, k) * (1.0 + double(int(rng.uniform(0.0f, 9.0f))) * 0x1p-23);
+            yd = (pooled[u] < 0 ? -1 : 1) * p2;
+            const double want = double(rng.uniform(0.0f, 2.0f)) * std::ldexp(1.0, k - 9);
+            const float each = float(want / (2.0 * r * double(nw[u])));
+            bound[u] = each, bound[std::size_t(hd + i)] = each;
+          }
+          if (mode == 3) {  // exponent fields below 25: y and its bounds scaled by 2^-110
+            yd *= 0x1p-110;
+            bound[u] *= 0x1p-110f, bound[std::size_t(hd + i)] *= 0x1p-110f;
+          }
+          y[u] = float(yd);
+          y_lo[u] = float(yd - double(y[u]));
+        }
+        const auto scale = [&](index_t i) { return std::fabs(r * double(nw[std::size_t(i)])); };
+        const auto pabs = [&](index_t i) {
+          return std::fabs(double(pooled[std::size_t(i)]) + double(plo[std::size_t(i)]));
+        };
+        std::vector<int> want(std::size_t(hd) + 1);
+        const int nwant = td::cpu::rounding_check::list_bf16_row(
+            hd, rope, cs.data(), sn.data(), rho, 0.0,
+            [&](index_t i) {
+              return scale(i) *
+                     (double(bound[std::size_t(i)]) + double(bound[std::size_t(hd + i)]));
+            },
+            [&](index_t i) { return pabs(i) * scale(i); },
+            [&](index_t i) { return double(y[std::size_t(i)]) + double(y_lo[std::size_t(i)]); },
+            want.data(), int(hd));
+        want.resize(std::size_t(nwant));
+        (mode == 0 ? listed : edge_listed) += nwant;
+        (mode == 0 ? values : edge_values) += hd;
+        double s4[4] = {}, q4[4] = {};
+        for (index_t i = 0; i < hd; ++i) {
+          const double p = double(pooled[std::size_t(i)]) + double(plo[std::size_t(i)]);
+          const double e = p * (double(br[std::size_t(i)]) + double(br[std::size_t(hd + i)]));
+          s4[i % 4] += p * p;
+          q4[i % 4] += e * e;
+        }
+        const double ss = (s4[0] + s4[1]) + (s4[2] + s4[3]), q = (q4[0] + q4[1]) + (q4[2] + q4[3]);
+        for (td::cpu::Isa isa : td::cpu::supported_isas()) {
+          std::vector<std::int32_t> hit(std::size_t(hd), -1);
+          cc::list_row(isa, hit.data(), y.data(), y_lo.data(), pooled.data(), plo.data(),
+                       bound.data(), nw.data(), r, rho, cs.data(), sn.data(), hd, rope);
+          std::vector<int> got;
+          for (index_t i = 0; i < hd; ++i)
+            if (hit[std::size_t(i)] != 0) got.push_back(int(i));
+          EXPECT_EQ(got, want) << td::cpu::to_string(isa) << " hd " << hd << " row " << row;
+          double gs = -1.0, gq = -1.0;
+          cc::rho_sums(isa, pooled.data(), plo.data(), br.data(), hd, &gs, &gq);
+          EXPECT_EQ(std::bit_cast<std::uint64_t>(gs), std::bit_cast<std::uint64_t>(ss))
+              << td::cpu::to_string(isa);
+          EXPECT_EQ(std::bit_cast<std::uint64_t>(gq), std::bit_cast<std::uint64_t>(q))
+              << td::cpu::to_string(isa);
+        }
       }
-      for (index_t i = 0; i < 2 * hd; i += 7) bound[std::size_t(i)] = 0.0f;  // repaired parts
-      const double r = rng.uniform(2.0f, 4.0f), rho = rng.uniform(0.0f, 1e-6f);
-      for (index_t i = 0; i < hd; ++i) {
-        const std::size_t u = std::size_t(i);
-        plo[u] = pooled[u] * 0x1p-30f;
-        // A BF16 rounding boundary (a midpoint) near r · p · nw, then y within ~3 bounds of it.
-        const float b = bf16(float(r * pooled[u] * nw[u])).to_float();
-        const float mid = std::bit_cast<float>(std::bit_cast<std::uint32_t>(b) + 0x8000u);
-        const double yd = double(mid) + double(rng.uniform(-2e-5f, 2e-5f));
-        y[u] = float(yd);
-        y_lo[u] = float(yd - double(y[u]));
-      }
-      const auto scale = [&](index_t i) { return std::fabs(r * double(nw[std::size_t(i)])); };
-      const auto pabs = [&](index_t i) {
-        return std::fabs(double(pooled[std::size_t(i)]) + double(plo[std::size_t(i)]));
-      };
-      std::vector<int> want(std::size_t(hd) + 1);
-      const int nwant = td::cpu::rounding_check::list_bf16_row(
-          hd, rope, cs.data(), sn.data(), rho, 0.0,
-          [&](index_t i) {
-            return scale(i) * (double(bound[std::size_t(i)]) + double(bound[std::size_t(hd + i)]));
-          },
-          [&](index_t i) { return pabs(i) * scale(i); },
-          [&](index_t i) { return double(y[std::size_t(i)]) + double(y_lo[std::size_t(i)]); },
-          want.data(), int(hd));
-      want.resize(std::size_t(nwant));
-      listed += nwant;
-      values += hd;
-      double s4[4] = {}, q4[4] = {};
-      for (index_t i = 0; i < hd; ++i) {
-        const double p = double(pooled[std::size_t(i)]) + double(plo[std::size_t(i)]);
-        const double e = p * (double(br[std::size_t(i)]) + double(br[std::size_t(hd + i)]));
-        s4[i % 4] += p * p;
-        q4[i % 4] += e * e;
-      }
-      const double ss = (s4[0] + s4[1]) + (s4[2] + s4[3]), q = (q4[0] + q4[1]) + (q4[2] + q4[3]);
-      for (td::cpu::Isa isa : td::cpu::supported_isas()) {
-        std::vector<std::int32_t> hit(std::size_t(hd), -1);
-        cc::list_row(isa, hit.data(), y.data(), y_lo.data(), pooled.data(), plo.data(),
-                     bound.data(), nw.data(), r, rho, cs.data(), sn.data(), hd, rope);
-        std::vector<int> got;
-        for (index_t i = 0; i < hd; ++i)
-          if (hit[std::size_t(i)] != 0) got.push_back(int(i));
-        EXPECT_EQ(got, want) << td::cpu::to_string(isa) << " hd " << hd << " row " << row;
-        double gs = -1.0, gq = -1.0;
-        cc::rho_sums(isa, pooled.data(), plo.data(), br.data(), hd, &gs, &gq);
-        EXPECT_EQ(std::bit_cast<std::uint64_t>(gs), std::bit_cast<std::uint64_t>(ss))
-            << td::cpu::to_string(isa);
-        EXPECT_EQ(std::bit_cast<std::uint64_t>(gq), std::bit_cast<std::uint64_t>(q))
-            << td::cpu::to_string(isa);
-      }
-    }
   EXPECT_GT(listed, values / 5) << "values near boundaries are listed";
   EXPECT_LT(listed, values * 4 / 5) << "values farther from them are not";
+  EXPECT_GT(edge_listed, edge_values / 10) << "the edge rows list values";
+  EXPECT_LT(edge_listed, edge_values * 9 / 10) << "and leave others";
 }
 
 // CompressorWeights::row_norms (the opt-in rounding check) is validated before anything is
@@ -747,6 +787,109 @@ TEST(IndexerCompressor, BitIdenticalForAnyThreadCount) {
     const Outputs one = run_kernel(f, isa, 1);
     expect_identical(one, run_kernel(f, isa, 2), "2 threads");
     expect_identical(one, run_kernel(f, isa, 7), "7 threads");
+  }
+}
+
+// --- Request lanes (backend/cpu/compressor.hpp for_requests) ---------------------------------
+
+// The arguments that backend_ops_compressor::independent reads (the metadata, the geometry and the
+// workspace for its entries).
+bool lanes_independent(const Fixture& f, td::Tensor<float, 1>& ws) {
+  tk::CompressorArgs a;
+  a.cfg = &cfg();
+  a.spec = f.spec;
+  a.inner = f.opt.kind == Kind::inner;
+  a.meta = f.meta();
+  a.workspace = ws.view();
+  return td::cpu::backend_ops_compressor<td::cpu::Isa::scalar>::independent(a);
+}
+
+// The lanes' independence test: the fixtures' aliased state pools (spec §3.8: 65 blocks shared by
+// every request) are not independent; a production allocator's disjoint tables are; a
+// block one request reads and another writes, or a cache slot two requests write, makes them
+// dependent again; a block two requests read and neither writes does not.
+TEST(CompressorLanes, OnlyRequestsThatTouchNothingAnotherWritesAreIndependent) {
+  for (Kind k : {Kind::csa, Kind::hca, Kind::inner}) {
+    SCOPED_TRACE(int(k));
+    const std::vector<std::int32_t> starts = {8702, 127, 255, 8191};
+    Fixture f = make_fixture({.kind = k, .starts = starts, .seed = 41});
+    td::Tensor<float, 1> ws({tk::compressor_workspace_size(cfg(), f.spec, f.shape.tokens())});
+    // The fixtures' tables (build_fixture_block_table: (4 c + b) mod P for B = 4) alias across
+    // requests in ratio 4's 65 blocks; in HCA's 64 each request keeps its own (b mod 4).
+    EXPECT_EQ(lanes_independent(f, ws), k == Kind::hca) << "the fixtures' pools";
+    Fixture d = make_fixture({.kind = k, .starts = starts, .seed = 41, .disjoint = true});
+    EXPECT_TRUE(lanes_independent(d, ws)) << "disjoint tables";
+    ASSERT_GE(d.emitted(), 1);
+    // Request 1 (start 127) closes a window (ratio 4: positions 120-127; HCA: 0-127) and writes
+    // positions 127 and 128. Request 3's first window column (history: not written) becomes the
+    // block of request 1's position 128: dependent. It becomes instead the first block of request
+    // 1's window (read by both, written by neither): still independent.
+    const index_t page = d.state_page, S = d.shape.seq, R = d.spec.ratio;
+    const auto first_col = [&](index_t b) {
+      const index_t c = starts[std::size_t(b)] / R;
+      return td::rules::compressor_first_position(int(R), d.spec.overlap, c) / page;
+    };
+    const index_t w1 = d.state_slots.data()[2 * S - 1] / page;  // position 128's block
+    const index_t c3 = first_col(3);
+    ASSERT_GE(d.state_table.view()(3, c3), 0);
+    Fixture e = d;
+    e.state_table.view()(3, c3) = std::int32_t(w1);
+    EXPECT_FALSE(lanes_independent(e, ws)) << "request 3 reads a block request 1 writes";
+    Fixture g = d;
+    g.state_table.view()(3, c3) = d.state_table.view()(1, first_col(1));
+    EXPECT_TRUE(lanes_independent(g, ws)) << "a block two requests read, none writes";
+    Fixture h = d;
+    index_t emit1 = -1, emit3 = -1;
+    for (index_t s = 0; s < S; ++s) {
+      if (d.cmp_slots.data()[1 * S + s] >= 0) emit1 = 1 * S + s;
+      if (d.cmp_slots.data()[3 * S + s] >= 0) emit3 = 3 * S + s;
+    }
+    ASSERT_GE(emit1, 0);
+    ASSERT_GE(emit3, 0);
+    h.cmp_slots.view()(emit3) = d.cmp_slots.data()[emit1];
+    EXPECT_FALSE(lanes_independent(h, ws)) << "two requests write one cache slot";
+  }
+}
+
+// Independent requests on lanes (two and five threads, B = 12 over 8 lanes, S = 3 with windows
+// closing at every step position, the rounding check on) give the serial run's bits: pools, cache
+// rows, scales and kv_out; and golden's rows.
+TEST(CompressorLanes, IndependentRequestsOnLanesGiveTheSerialBits) {
+  for (Kind k : {Kind::csa, Kind::hca, Kind::inner}) {
+    SCOPED_TRACE(int(k));
+    std::vector<std::int32_t> starts;
+    for (int b = 0; b < 12; ++b)
+      starts.push_back(k == Kind::hca ? 8192 + 128 * b + 125 + b % 3 : 8192 + 8 * b + b % 4);
+    const Fixture f =
+        make_fixture({.kind = k, .starts = starts, .seq = 3, .seed = 43, .disjoint = true});
+    td::Tensor<float, 1> ws({tk::compressor_workspace_size(cfg(), f.spec, f.shape.tokens())});
+    ASSERT_TRUE(lanes_independent(f, ws));
+    ASSERT_GE(f.emitted(), 9);
+    const auto& w = weights(k);
+    const td::Tensor<float, 1> norms = tk::compressor_row_norms(w.wkv.view(), w.wgate.view());
+    for (auto isa : isas()) {
+      const auto run = [&](int threads) {
+        Outputs o = fresh_outputs(f);
+        std::optional<td::ThreadPool> pool;
+        if (threads > 1) pool.emplace(threads);
+        const td::cpu::Context ctx{pool ? &*pool : nullptr, td::cpu::checked_isa(isa)};
+        tk::CompressorWeights cw = w.view();
+        cw.row_norms = norms.view();
+        td::Tensor<float, 1> wsp({tk::compressor_workspace_size(cfg(), f.spec, f.shape.tokens())});
+        if (k == Kind::inner)
+          tk::indexer_compressor_step(ctx, cfg(), o.state.view(), o.idx.view(), o.scale.view(),
+                                      o.kv_out.view(), f.x_n.view(), cw, f.hadamard.view(),
+                                      f.meta(), rope_table().view(), wsp.view());
+        else
+          tk::compressor_step(ctx, cfg(), f.spec, o.state.view(), o.cmp.view(), o.kv_out.view(),
+                              f.x_n.view(), cw, f.meta(), rope_table().view(), wsp.view());
+        return o;
+      };
+      const Outputs one = run(1);
+      expect_matches(f, one, run_golden(f), std::string(td::cpu::to_string(isa)));
+      expect_identical(one, run(2), "2 threads");
+      expect_identical(one, run(5), "5 threads");
+    }
   }
 }
 

@@ -372,7 +372,8 @@ TEST(ExactDots, GatheredRowsAreTheSequentialDoubleSumOnEveryTier) {
 // order-sensitive products (every other case from d = 33) make the lanes' sum differ from
 // golden's: a kernel that keeps it without its certificate fails there. Then 8192 dots at the
 // compressors' statistics (N(0, 1) x, N(0, 0.02) weights, d = 4096), where most are certified and
-// some go to golden's order: every one golden's float.
+// some go to golden's order: every one golden's float. Each call with and without the tokens'
+// FP32 copies (xf, which the AVX2 kernel widens instead of the BF16 rows).
 TEST(ExactDots, RoundedGatheredRowsAreGoldensFloatOnEveryTier) {
   Mix m{131};
   int cases = 0;
@@ -407,28 +408,37 @@ TEST(ExactDots, RoundedGatheredRowsAreGoldensFloatOnEveryTier) {
         rows[std::size_t(j)] = r;
         norms[std::size_t(j)] = j % 3 == 2 ? kInf : td::bf16_norm_bound(r, d);
       }
-      for (int t = 0; t < nt; ++t) xs[std::size_t(t)] = x.data() + index_t(m.next() % X) * d;
-      const index_t ld_o = n + 2;
-      for (Isa isa : tiers()) {
-        std::vector<float> o(static_cast<std::size_t>(nt * ld_o), -1.0f);
-        td::cpu::bf16_rows_gather_dots_rounded(isa, nt, xs.data(), n, rows.data(), norms.data(), d,
-                                               o.data(), ld_o);
-        long bad = 0, past = 0;
-        for (int t = 0; t < nt; ++t) {
-          for (int j = 0; j < n; ++j) {
-            const float e =
-                float(td::cpu::bf16_dot_exact(xs[std::size_t(t)], rows[std::size_t(j)], d));
-            const float a = o[std::size_t(t * ld_o + j)];
-            bad += std::isnan(e)
-                       ? !std::isnan(a)
-                       : std::bit_cast<std::uint32_t>(a) != std::bit_cast<std::uint32_t>(e);
-          }
-          past +=
-              o[std::size_t(t * ld_o + n)] != -1.0f || o[std::size_t(t * ld_o + n + 1)] != -1.0f;
-        }
-        EXPECT_EQ(bad, 0) << name(isa) << " nt " << nt << " n " << n << " d " << d;
-        EXPECT_EQ(past, 0) << "past n: written";
+      std::vector<float> x32(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) x32[i] = x[i].to_float();
+      std::vector<const float*> xf(static_cast<std::size_t>(nt));
+      for (int t = 0; t < nt; ++t) {
+        const index_t at = index_t(m.next() % X) * d;
+        xs[std::size_t(t)] = x.data() + at;
+        xf[std::size_t(t)] = x32.data() + at;
       }
+      const index_t ld_o = n + 2;
+      for (Isa isa : tiers())
+        for (const bool f32 : {false, true}) {
+          std::vector<float> o(static_cast<std::size_t>(nt * ld_o), -1.0f);
+          td::cpu::bf16_rows_gather_dots_rounded(isa, nt, xs.data(), n, rows.data(), norms.data(),
+                                                 d, o.data(), ld_o, f32 ? xf.data() : nullptr);
+          long bad = 0, past = 0;
+          for (int t = 0; t < nt; ++t) {
+            for (int j = 0; j < n; ++j) {
+              const float e =
+                  float(td::cpu::bf16_dot_exact(xs[std::size_t(t)], rows[std::size_t(j)], d));
+              const float a = o[std::size_t(t * ld_o + j)];
+              bad += std::isnan(e)
+                         ? !std::isnan(a)
+                         : std::bit_cast<std::uint32_t>(a) != std::bit_cast<std::uint32_t>(e);
+            }
+            past +=
+                o[std::size_t(t * ld_o + n)] != -1.0f || o[std::size_t(t * ld_o + n + 1)] != -1.0f;
+          }
+          EXPECT_EQ(bad, 0) << name(isa) << (f32 ? " xf" : "") << " nt " << nt << " n " << n
+                            << " d " << d;
+          EXPECT_EQ(past, 0) << "past n: written";
+        }
       ++cases;
     }
   EXPECT_EQ(cases, 54);
@@ -448,10 +458,13 @@ TEST(ExactDots, RoundedGatheredRowsAreGoldensFloatOnEveryTier) {
       norms[std::size_t(j)] = td::bf16_norm_bound(rows[std::size_t(j)], d);
     }
     const bf16* xs[2] = {x.data(), x.data() + d};
+    std::vector<float> x32(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) x32[i] = x[i].to_float();
+    const float* xf[2] = {x32.data(), x32.data() + d};
     for (Isa isa : tiers()) {
       std::vector<float> o(2 * 64, -1.0f);
       td::cpu::bf16_rows_gather_dots_rounded(isa, 2, xs, 64, rows.data(), norms.data(), d, o.data(),
-                                             64);
+                                             64, rep % 2 == 1 ? xf : nullptr);
       for (int t = 0; t < 2; ++t)
         for (int j = 0; j < 64; ++j, ++dots)
           bad += std::bit_cast<std::uint32_t>(o[std::size_t(t * 64 + j)]) !=
@@ -469,7 +482,8 @@ TEST(ExactDots, RoundedGatheredRowsAreGoldensFloatOnEveryTier) {
 // (a tie, to even), the lanes add q + q exactly: the FP32 results differ, and Σ|p| = 2^(m + 54)
 // is past the test's 2^(m + 53), so the dot is golden's order. m from a normal q (1 + 2^-7)²
 // (m = -14) and from a BF16 subnormal x (2^-133 (1 + 2^-7), m = -140). A test that trusted its
-// own order two bits further (2^(m + 55)), or that left the subnormals out of m, fails here.
+// own order two bits further (2^(m + 55)), or that left the subnormals out of m, fails here. Even
+// nt with the tokens' FP32 copies (xf).
 TEST(ExactDots, RoundedDotsTrustTheirOwnOrderOnlyWhereNoSumRounds) {
   struct Plant {
     const char* what;
@@ -491,13 +505,16 @@ TEST(ExactDots, RoundedDotsTrustTheirOwnOrderOnlyWhereNoSumRounds) {
         const double exact = 2.0 * double(bf16(p.qx).to_float()) * double(bf16(p.qw).to_float());
         ASSERT_NE(float(e), float(exact)) << p.what << ": golden's sum must round here";
         std::vector<const bf16*> xs(static_cast<std::size_t>(nt), x.data());
+        std::vector<float> x32(x.size());
+        for (std::size_t i = 0; i < x.size(); ++i) x32[i] = x[i].to_float();
+        std::vector<const float*> xf(static_cast<std::size_t>(nt), x32.data());
         const bf16* rows[3] = {w.data(), w.data(), w.data()};
         const float norm = td::bf16_norm_bound(w.data(), d);
         const float norms[3] = {norm, norm, norm};
         for (Isa isa : tiers()) {
           std::vector<float> o(static_cast<std::size_t>(nt * 3), -1.0f);
-          td::cpu::bf16_rows_gather_dots_rounded(isa, nt, xs.data(), 3, rows, norms, d, o.data(),
-                                                 3);
+          td::cpu::bf16_rows_gather_dots_rounded(isa, nt, xs.data(), 3, rows, norms, d, o.data(), 3,
+                                                 nt % 2 == 0 ? xf.data() : nullptr);
           for (std::size_t i = 0; i < o.size(); ++i)
             EXPECT_EQ(std::bit_cast<std::uint32_t>(o[i]), std::bit_cast<std::uint32_t>(float(e)))
                 << p.what << " " << name(isa) << " d " << d << " nt " << nt << " dot " << i;

@@ -29,7 +29,9 @@
 //   alias across requests (spec §3.8: CSA state pools have 65 blocks, so request 1 block 17 is
 //   request 0 block 1) and, for HCA, a step's draft token can alias the oldest row of the window
 //   it closes (a 128-position ring). Kernel and golden follow the same order, so they agree; a
-//   production allocator hands out disjoint blocks and the order stops mattering.
+//   production allocator hands out disjoint blocks and the order stops mattering: the CPU backend
+//   then runs the requests' steps 2a-2b at once (backend/cpu/compressor.hpp for_requests: where no
+//   request touches a state block or cache slot another one writes; the same bits).
 //
 // Choices (spec [AMBIGUOUS]/[QUIRK] points):
 //   * Commit masking. A boundary token at s >= commit_tokens has cmp_slot -1 (the metadata
@@ -219,19 +221,40 @@ constexpr index_t ws_round(index_t n) {
   return (n + kWsAlign - 1) / kWsAlign * kWsAlign;
 }
 
+// Request lanes of the CPU backend (backend/cpu/compressor.hpp, for_requests): requests whose
+// tails (state rows, pooling, check, emit) touch no state block or cache slot that another one
+// writes run on up to this many lanes at once, each with its own part of the workspace.
+inline constexpr index_t kCompressorLanes = 8;
+// One lane's part (floats): the pooled, y, z, y_lo, softmax max and sum rows and the listing's
+// flags (head_dim each), the check's two bounds (2 head_dim each) and the pooling's kept sums (2
+// head_dim doubles).
+constexpr index_t compressor_lane_size(const CompressorSpec& spec) {
+  return 7 * ws_round(spec.head_dim) + 2 * ws_round(2 * spec.head_dim) +
+         ws_round(4 * spec.head_dim);
+}
+// Entries (two INT64 each) of the lanes' independence test: per token its state block written, its
+// cache slot written and the state pages its window reads (window positions in a row: at most
+// window / page + 2).
+constexpr index_t compressor_dep_entries(const ModelConfig& cfg, const CompressorSpec& spec,
+                                         index_t tokens) {
+  const index_t page = compressor_state_page(cfg, spec) > 0 ? compressor_state_page(cfg, spec) : 1;
+  return tokens * (4 + spec.window() / page);
+}
+
 }  // namespace detail
 
 // Workspace (FP32 elements) one compressor step with `tokens` = B*S rows needs:
 // x_n widened to FP32 (T, D), the projected state rows (T, 2*OUT_DIM), one masked state row,
-// the pooled / normalised / rotated row buffers, and the rounding check's row, bounds, norm_w,
-// the pooling's kept sums (2 head_dim doubles), listing flags (head_dim INT32), the written
-// tokens' slots (T INT64) and token order (T INT32).
+// norm_w as FP32 (head_dim), the written tokens' slots (T INT64) and token order (T INT32), the
+// lanes' independence test (detail::compressor_dep_entries), and kCompressorLanes lanes of the
+// pooled / normalised / rotated row buffers and the rounding check's rows (compressor_lane_size).
 constexpr index_t compressor_workspace_size(const ModelConfig& cfg, const CompressorSpec& spec,
                                             index_t tokens) {
   return detail::ws_round(tokens * cfg.hidden) + detail::ws_round(tokens * spec.state_width()) +
-         detail::ws_round(spec.state_width()) + 8 * detail::ws_round(spec.head_dim) +
-         2 * detail::ws_round(2 * spec.head_dim) + detail::ws_round(4 * spec.head_dim) +
-         detail::ws_round(2 * tokens) + detail::ws_round(tokens);
+         detail::ws_round(spec.state_width()) + detail::ws_round(spec.head_dim) +
+         detail::ws_round(2 * tokens) + detail::ws_round(tokens) +
+         detail::ws_round(4 * detail::compressor_dep_entries(cfg, spec, tokens)) +
+         detail::kCompressorLanes * detail::compressor_lane_size(spec);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@
 //
 // The cost (AVX2, Zen 3): widening the weights is the bound. They are widened by moving their bits
 // into a double's fields (a sign extension, a shift and a mask, no vcvtps2pd: two µops there),
-// which gives w · 2^-896 exactly (below); x is widened once per block as x · 2^895, so each product
+// which gives w · 2^-896 exactly (below); x is widened once per block as x · 2^895 (from the
+// caller's FP32 copy where it passes one: no unpacking), so each product
 // is x w / 2, exact, and s' is twice the lanes' tree, bit for bit the sum of the unscaled products
 // in the same order (halving commutes with each rounding: every nonzero partial sum is a multiple
 // of 2^-267, the smallest BF16 product halved, so none is subnormal; |x| 2^895 < 2^1023). The
@@ -99,26 +100,58 @@ TILEDECODE_TARGET_AVX2 inline __m256d scaled4(const bf16* w) {
 }
 inline constexpr double kXScale = 0x1p895;  // x's scale in xd: x · 2^895 · w · 2^-896 = x w / 2
 
-// xd[k] = x[k] · 2^895 as double, k < kk (a multiple of 8); with SQ, sq += the squares (exact,
-// unscaled) in its lanes (x's norm, on the first pass over the rows: no conversions of its own).
-template <bool SQ>
-TILEDECODE_TARGET_AVX2 inline void widen(double* xd, const bf16* x, index_t kk, __m256d& sq) {
+// Eight values of each token's x from k, widened into xd (x · 2^895, the tokens kBlockK apart),
+// with SQ their squares (exact, unscaled) added to chains c, c + 1 of sq (x's norm). F32: read
+// from the FP32 copies xf (the same values: two conversions from memory, no unpacking; Zen 3,
+// 2 tokens, 5 rows of 4096: 10.2k cycles a call against 11.1k from the BF16 rows), else from xs.
+template <int NT, bool SQ, bool F32>
+TILEDECODE_TARGET_AVX2 __attribute__((always_inline)) inline void widen8(double* xd,
+                                                                         const float* const* xf,
+                                                                         const bf16* const* xs,
+                                                                         index_t k, int c,
+                                                                         __m256d (&sq)[NT][4]) {
   const __m256d scale = _mm256_set1_pd(kXScale);
-  for (index_t k = 0; k < kk; k += 8) {
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k));
-    const __m256d l = lo4(c), h = hi4(c);
-    _mm256_store_pd(xd + k, _mm256_mul_pd(l, scale));
-    _mm256_store_pd(xd + k + 4, _mm256_mul_pd(h, scale));
-    if constexpr (SQ)
-      sq = _mm256_add_pd(sq, _mm256_add_pd(_mm256_mul_pd(l, l), _mm256_mul_pd(h, h)));
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t) {
+    __m256d l, h;
+    if constexpr (F32) {
+      l = _mm256_cvtps_pd(_mm_loadu_ps(xf[t] + k));
+      h = _mm256_cvtps_pd(_mm_loadu_ps(xf[t] + k + 4));
+    } else {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xs[t] + k));
+      l = lo4(v), h = hi4(v);
+    }
+    _mm256_store_pd(xd + t * kBlockK + k, _mm256_mul_pd(l, scale));
+    _mm256_store_pd(xd + t * kBlockK + k + 4, _mm256_mul_pd(h, scale));
+    if constexpr (SQ) {
+      sq[t][c] = _mm256_fmadd_pd(l, l, sq[t][c]);
+      sq[t][c + 1] = _mm256_fmadd_pd(h, h, sq[t][c + 1]);
+    }
   }
 }
-// An upper bound of ‖x‖₂ from sq (the squares of x[0 .. dm)) and the rest of x: the double sums
-// of the exact squares (their roundings <= d · 2^-53 relative) and the square root's rounding
-// covered by 2^-30. NaN / +Inf for a non-finite x.
-TILEDECODE_TARGET_AVX2 inline double norm_bound(__m256d sq, const bf16* x, index_t dm, index_t d) {
+// x_t[k0 .. k0 + kk) of every token widened (kk a multiple of 8; xd[t · kBlockK + k] = x_t[k0 +
+// k] · 2^895); with SQ, the squares in four chains of multiply-adds a token (one chain would wait
+// on the multiply-add's latency): sq[t][0 .. 2) for k / 8 even, [2 .. 4) odd.
+template <int NT, bool SQ, bool F32>
+TILEDECODE_TARGET_AVX2 inline void widen(double* xd, const float* const* xf, const bf16* const* xs,
+                                         index_t k0, index_t kk, __m256d (&sq)[NT][4]) {
+  const float* f[NT];
+  const bf16* b[NT];
+  for (int t = 0; t < NT; ++t) f[t] = F32 ? xf[t] + k0 : nullptr, b[t] = xs[t] + k0;
+  index_t k = 0;
+  for (; k + 16 <= kk; k += 16) {
+    widen8<NT, SQ, F32>(xd, f, b, k, 0, sq);
+    widen8<NT, SQ, F32>(xd, f, b, k + 8, 2, sq);
+  }
+  if (k < kk) widen8<NT, SQ, F32>(xd, f, b, k, 0, sq);
+}
+// An upper bound of ‖x‖₂ from sq (the four chains of the squares of x[0 .. dm)) and the rest of
+// x: the double sums of the exact squares (their roundings <= d · 2^-53 relative, in any order)
+// and the square root's rounding covered by 2^-30. NaN / +Inf for a non-finite x.
+TILEDECODE_TARGET_AVX2 inline double norm_bound(const __m256d (&sq)[4], const bf16* x, index_t dm,
+                                                index_t d) {
   alignas(32) double v[4];
-  _mm256_store_pd(v, sq);
+  _mm256_store_pd(v, _mm256_add_pd(_mm256_add_pd(sq[0], sq[1]), _mm256_add_pd(sq[2], sq[3])));
   double s = (v[0] + v[1]) + (v[2] + v[3]);
   for (index_t k = dm; k < d; ++k) s += double(x[k].to_float()) * double(x[k].to_float());
   return std::sqrt(s) * (1.0 + 0x1p-30);
@@ -202,15 +235,16 @@ inline double reduce(const double* acc, const bf16* x, const bf16* w, index_t dm
 }
 
 template <int NT>
-TILEDECODE_TARGET_AVX2 inline void gather(const bf16* const* xs, int n, const bf16* const* rows,
-                                          const float* norms, index_t d, float* out,
-                                          index_t ld_out) {
+TILEDECODE_TARGET_AVX2 inline void gather(const bf16* const* xs, const float* const* xf, int n,
+                                          const bf16* const* rows, const float* norms, index_t d,
+                                          float* out, index_t ld_out) {
   constexpr int U = NT <= 2 ? 4 : 2;
   const index_t dm = d / (4 * U) * (4 * U);  // the lanes' k
   alignas(32) double xd[NT * kBlockK];
   alignas(32) double acc[kChunk][NT * U * 4];
-  __m256d sq[NT];
-  for (int t = 0; t < NT; ++t) sq[t] = _mm256_setzero_pd();
+  __m256d sq[NT][4];
+  for (int t = 0; t < NT; ++t)
+    for (int c = 0; c < 4; ++c) sq[t][c] = _mm256_setzero_pd();
   double nx[NT];
   const double g = cpu::rounded_detail::bound_factor(d);
   for (int j0 = 0; j0 < n; j0 += kChunk) {
@@ -218,12 +252,14 @@ TILEDECODE_TARGET_AVX2 inline void gather(const bf16* const* xs, int n, const bf
     for (int j = 0; j < nc; ++j) std::fill_n(acc[j], NT * U * 4, 0.0);
     for (index_t k0 = 0; k0 < dm; k0 += kBlockK) {
       const index_t kk = std::min(kBlockK, dm - k0);
-      for (int t = 0; t < NT; ++t) {
-        if (j0 == 0)
-          widen<true>(xd + t * kBlockK, xs[t] + k0, kk, sq[t]);
-        else
-          widen<false>(xd + t * kBlockK, xs[t] + k0, kk, sq[t]);
-      }
+      if (j0 == 0 && xf)
+        widen<NT, true, true>(xd, xf, xs, k0, kk, sq);
+      else if (j0 == 0)
+        widen<NT, true, false>(xd, xf, xs, k0, kk, sq);
+      else if (xf)
+        widen<NT, false, true>(xd, xf, xs, k0, kk, sq);
+      else
+        widen<NT, false, false>(xd, xf, xs, k0, kk, sq);
       for (int j = 0; j < nc; ++j) {
         const bf16* next = j + 1 < nc          ? rows[j0 + j + 1] + k0
                            : k0 + kBlockK < dm ? rows[j0] + k0 + kBlockK
@@ -255,16 +291,20 @@ TILEDECODE_TARGET_AVX2 inline void gather(const bf16* const* xs, int n, const bf
 // once to FP32, with golden's bits on every tier (the header: the lanes on k, certified, golden's
 // order where the certificates fail). norms[j] >= ‖rows[j]‖₂ (an upper bound; +Inf, as
 // bf16_norm_bound gives for a row with an Inf or a NaN: every dot of that row in golden's order).
+// xf: nullptr, or per token an FP32 copy of xs[t] (xf[t][k] == xs[t][k].to_float(), e.g. the
+// compressor's x32), which the AVX2 kernel widens instead (cheaper; the same bits).
 inline void bf16_rows_gather_dots_rounded(Isa isa, int nt, const bf16* const* xs, int n,
                                           const bf16* const* rows, const float* norms, index_t d,
-                                          float* out, index_t ld_out) {
+                                          float* out, index_t ld_out,
+                                          const float* const* xf = nullptr) {
   for (int t0 = 0; t0 < nt; t0 += kFewTok) {
     const int m = std::min(kFewTok, nt - t0);
     float* ot = out + t0 * ld_out;
 #if TILEDECODE_X86
     if (isa == Isa::avx512 || has_avx2(isa)) {
       with_static_count<kFewTok>(m, [&]<int NT>() {
-        avx2::rounded_detail::gather<NT>(xs + t0, n, rows, norms, d, ot, ld_out);
+        avx2::rounded_detail::gather<NT>(xs + t0, xf ? xf + t0 : nullptr, n, rows, norms, d, ot,
+                                         ld_out);
       });
       continue;
     }
@@ -280,6 +320,7 @@ inline void bf16_rows_gather_dots_rounded(Isa isa, int nt, const bf16* const* xs
   }
   (void)isa;
   (void)norms;
+  (void)xf;
 }
 
 }  // namespace tiledecode::cpu

@@ -9,6 +9,8 @@
 // the weighted kv sum in double in candidate order), parallel over channel blocks; the Hadamard of
 // the inner compressor sums in double too. Work is split by shape only (weight rows, channels),
 // each output has one fixed reduction order, so results are bit-identical for any thread count.
+// On more than one thread, requests whose tails touch nothing another request writes run on
+// lanes at once (for_requests; whether they do changes no bit: they share no memory they write).
 // The scalar twins below follow the vector micro-kernels' operations exactly (the projections: 8
 // lanes, ascending k, the AVX2 horizontal-sum tree; the pooling: the same double operations per
 // channel; the candidate order), so every tier gives the same bits.
@@ -31,6 +33,7 @@
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/quant.hpp"
 #include "tiledecode/kernels/compressor.hpp"
+#include "tiledecode/rules/paging.hpp"
 
 namespace tiledecode::kernels {
 
@@ -82,10 +85,18 @@ inline void hadamard_row_scalar(float* z, const float* y, const bf16* h, index_t
   }
 }
 
+// An entry of the lanes' independence test (backend_ops_compressor::independent).
+struct DepEntry {
+  std::int64_t key;  // a state block (>= 0) or -1 - a cache slot
+  std::int64_t who;  // 2 · request + (1: written)
+};
+
+// Shared: x32 .. written, deps; the rest per request lane (lane 0 unless the tails run on lanes).
 struct CompressorWorkspace {
   float* x32;       // (T, D)
   float* proj;      // (T, 2*OUT_DIM): [kv | g] = the state rows of this step
   float* null_row;  // (2*OUT_DIM): kv 0, score kNegBig — stands in for unmapped state rows
+  DepEntry* deps;   // (compressor_dep_entries) the lanes' independence test
   float* pooled;    // (head_dim)
   float* y;         // (head_dim)
   float* z;         // (head_dim)
@@ -103,26 +114,30 @@ struct CompressorWorkspace {
   std::int32_t* written;  // (T) the rounding check: tokens sorted by (state slot, t)
 };
 
+// The workspace's parts (kernels::compressor_workspace_size), with request lane `lane`'s rows.
 inline CompressorWorkspace carve_workspace(const ModelConfig& cfg, const CompressorSpec& spec,
-                                           index_t T, float* ws) {
+                                           index_t T, float* ws, index_t lane = 0) {
+  const index_t HD = spec.head_dim;
   CompressorWorkspace w{};
   w.x32 = ws;
   w.proj = w.x32 + ws_round(T * cfg.hidden);
   w.null_row = w.proj + ws_round(T * spec.state_width());
-  w.pooled = w.null_row + ws_round(spec.state_width());
-  w.y = w.pooled + ws_round(spec.head_dim);
-  w.z = w.y + ws_round(spec.head_dim);
-  w.y_lo = w.z + ws_round(spec.head_dim);
-  w.bound = w.y_lo + ws_round(spec.head_dim);
-  w.bound_r = w.bound + ws_round(2 * spec.head_dim);
-  w.mx = w.bound_r + ws_round(2 * spec.head_dim);
-  w.ls = w.mx + ws_round(spec.head_dim);
-  w.nw = w.ls + ws_round(spec.head_dim);
-  w.pre = reinterpret_cast<double*>(w.nw + ws_round(spec.head_dim));
-  w.hit =
-      reinterpret_cast<std::int32_t*>(w.nw + ws_round(spec.head_dim) + ws_round(4 * spec.head_dim));
-  w.keys = reinterpret_cast<std::int64_t*>(w.hit + ws_round(spec.head_dim));
+  w.nw = w.null_row + ws_round(spec.state_width());
+  w.keys = reinterpret_cast<std::int64_t*>(w.nw + ws_round(HD));
   w.written = reinterpret_cast<std::int32_t*>(w.keys) + ws_round(2 * T);
+  w.deps = reinterpret_cast<DepEntry*>(w.written + ws_round(T));
+  float* l = reinterpret_cast<float*>(w.deps) + ws_round(4 * compressor_dep_entries(cfg, spec, T)) +
+             lane * compressor_lane_size(spec);
+  w.pooled = l;
+  w.y = w.pooled + ws_round(HD);
+  w.z = w.y + ws_round(HD);
+  w.y_lo = w.z + ws_round(HD);
+  w.mx = w.y_lo + ws_round(HD);
+  w.ls = w.mx + ws_round(HD);
+  w.hit = reinterpret_cast<std::int32_t*>(w.ls + ws_round(HD));
+  w.bound = reinterpret_cast<float*>(w.hit) + ws_round(HD);
+  w.bound_r = w.bound + ws_round(2 * HD);
+  w.pre = reinterpret_cast<double*>(w.bound_r + ws_round(2 * HD));
   return w;
 }
 
@@ -138,8 +153,8 @@ struct backend_ops_compressor {
   using Ws = kernels::detail::CompressorWorkspace;
 
   static void check(const Cpu<I>&, const kernels::CompressorArgs&) {}
-  static Ws ws_of(const kernels::CompressorArgs& a) {
-    return kernels::detail::carve_workspace(*a.cfg, a.spec, a.tokens(), a.workspace.data());
+  static Ws ws_of(const kernels::CompressorArgs& a, index_t lane = 0) {
+    return kernels::detail::carve_workspace(*a.cfg, a.spec, a.tokens(), a.workspace.data(), lane);
   }
 
   // proj[t] = [x_n[t] @ wkv^T | x_n[t] @ wgate^T + ape[pos % R]] for all T tokens.
@@ -238,11 +253,61 @@ struct backend_ops_compressor {
     // The first candidate after the sums the last pool kept in ws.pre (-1: none kept).
     int pre_j = -1;
   };
-  // Requests in order on the calling thread (each pooling is parallel over channel blocks).
+  // The requests' tails. On one thread, or where one request's tail touches a state block or a
+  // cache slot that another one writes (independent: the fixtures' aliased pools, spec §3.8),
+  // in order on the calling thread, each pooling parallel over channel blocks. Otherwise on
+  // min(B, kCompressorLanes) lanes at once (tasks; lane i takes requests i, i + L, ...), each with
+  // its own rows of the workspace, its stages inline on its thread: the requests read and write
+  // disjoint memory, so the order does not matter and the bits are the serial run's.
   template <class Body>
   static void for_requests(const Cpu<I>& be, const kernels::CompressorArgs& a, Body&& body) {
-    Lane lane{&be, ws_of(a)};
-    for (index_t b = 0; b < a.meta.shape.batch; ++b) body(lane, b);
+    const index_t B = a.meta.shape.batch;
+    const index_t L = std::min(B, kernels::detail::kCompressorLanes);
+    if (L < 2 || be.concurrency() < 2 || !independent(a)) {
+      Lane lane{&be, ws_of(a)};
+      for (index_t b = 0; b < B; ++b) body(lane, b);
+      return;
+    }
+    const Cpu<I> inline_be{nullptr, be.bf16_dot};
+    be.tasks(L, [&](std::int64_t i) {
+      Lane lane{&inline_be, ws_of(a, i)};
+      for (index_t b = i; b < B; b += L) body(lane, b);
+    });
+  }
+  // Whether no state block that a request writes in this step (state_slot_mapping, block = slot /
+  // page) is read (its committed windows' pages through the state table) or written by another
+  // request, and no cache slot (cmp_slot_mapping) is written by two. Blocks, not rows: a
+  // conservative test (one sort of at most compressor_dep_entries entries in the workspace).
+  static bool independent(const kernels::CompressorArgs& a) {
+    const Ws ws = ws_of(a);
+    const index_t T = a.tokens(), S = a.meta.shape.seq, R = a.spec.ratio;
+    const index_t page = kernels::compressor_state_page(*a.cfg, a.spec);
+    kernels::detail::DepEntry* e = ws.deps;
+    index_t n = 0;
+    for (index_t t = 0; t < T; ++t) {
+      const std::int64_t b = t / S, slot = a.meta.state_slot_mapping(t);
+      const std::int64_t cs = a.meta.cmp_slot_mapping(t);
+      if (slot >= 0) e[n++] = {slot / page, 2 * b + 1};
+      if (cs < 0) continue;
+      e[n++] = {-1 - cs, 2 * b + 1};
+      const index_t c = a.meta.positions(t) / R;
+      const index_t c0 = rules::compressor_first_position(R, a.spec.overlap, c) / page;
+      for (index_t col = c0; col <= ((c + 1) * R - 1) / page; ++col) {
+        const index_t blk = rules::block_of(a.meta.state_table, b, col);
+        if (blk >= 0) e[n++] = {blk, 2 * b};
+      }
+    }
+    std::sort(e, e + n, [](const auto& x, const auto& y) {
+      return x.key != y.key ? x.key < y.key : x.who < y.who;
+    });
+    for (index_t i = 0; i < n;) {  // per key: its requests (ascending) and whether one writes it
+      index_t j = i;
+      bool write = false;
+      for (; j < n && e[j].key == e[i].key; ++j) write |= (e[j].who & 1) != 0;
+      if (write && e[j - 1].who / 2 != e[i].who / 2) return false;
+      i = j;
+    }
+    return true;
   }
   static void store_state(Lane& z, const kernels::CompressorArgs& a, index_t t) {
     const index_t slot = a.meta.state_slot_mapping(t), SW = a.spec.state_width();
@@ -404,7 +469,7 @@ struct backend_ops_compressor {
   // (ρ: golden's r needs more channels), rounds of kRhoBatch channels, a listed one not yet
   // repaired first, then the largest shares of ρ's sum of squares (next_channels), each round
   // listed again, up to half the parts; past that, every channel of every written candidate
-  // (bf16_rows_dot_exact, a pass over the half's weight rows per run of consecutive tokens), and
+  // (repair_rows: a pass over the half's weight rows per run of consecutive tokens), and
   // the row is pooled again. A part reads one weight row (the full repair: all 2 · head_dim of the
   // half), so the steps save what they leave out: on bench_compressor's live windows no row went
   // past them (CSA: 2.8 channels a row on average in the rounds, where 4.7 % of rows took all 512
@@ -412,11 +477,14 @@ struct backend_ops_compressor {
   // channel (ws.mx, ws.ls), so the bound costs an exp per written candidate and channel only. The
   // repaired state values are golden's, and they stay in the pool. A row with a non-finite y is not
   // checked (its policy is the kernel's). Opt-in (CompressorWeights::row_norms): on steps that
-  // close windows its cost is under the 5 % budget for CSA and HCA but not yet for the inner
-  // compressor (measured on Zen 3, AVX2, 2026-12-07). Cost and rates:
-  // docs/compressors.md ("Rounding accuracy").
-  static constexpr int kMaxChannels = 32;  // channel repairs per row; past that, every channel
-  static constexpr int kRhoBatch = 16;     // channels per round of the repairs for ρ
+  // close windows, one thread, its cost is at the 5 % budget for CSA and HCA and over it for the
+  // inner compressor (Zen 3, AVX2, 2026-12-07: +3.8–4.5 %, +4.2–4.6 % and +5.7–5.9 % of the step
+  // in the check, over 17 draws of the live windows); on two threads the requests' tails run at
+  // once where they are independent (for_requests). Cost and rates: docs/compressors.md
+  // ("Rounding accuracy").
+  static constexpr int kMaxChannels = 32;    // channel repairs per row; past that, every channel
+  static constexpr int kRhoBatch = 16;       // channels per round of the repairs for ρ, at most
+  static constexpr double kRhoMargin = 0.8;  // a round aims at this fraction of rho_clear's ρ
 
   static bool checking(const Cpu<I>& be, const kernels::CompressorArgs& a) {
     return kernels::detail::view_given(a.w.row_norms.size(), a.w.row_norms.data()) &&
@@ -538,7 +606,7 @@ struct backend_ops_compressor {
     // that hold them are pooled again (pool_block: every tier's bits; the other channels' values
     // do not move) and y follows.
     const auto repair = [&](const int* parts, int m) {
-      repair_parts(a, wc, nw, parts, m);
+      repair_parts(a, x32(*z.be, a), wc, nw, parts, m);
       index_t blocks[2 * kMaxChannels];
       int nb = 0;
       for (int i = 0; i < m; ++i) {
@@ -562,12 +630,14 @@ struct backend_ops_compressor {
       nch = listed_channels(z, a, rope_pos, ch, &rho);
     }
     // Still listed: ρ, golden's r needs more channels. The largest shares of ρ's sum of squares
-    // first, kRhoBatch channels a round (with any listed channel not yet repaired), while that
-    // costs less than every channel (repair_rows reads the same rows, all 2 · head_dim of the
-    // half, in one pass).
+    // first (with any listed channel not yet repaired), as many as bring ρ under kRhoMargin of the
+    // ρ at which the listed values clear (rho_clear; ρ is the root of that sum over a
+    // denominator the repairs barely move), at most kRhoBatch a round, while that costs less than
+    // every channel (repair_rows reads the same rows, all 2 · head_dim of the half, in one pass).
     while (nch > 0 && nch <= kMaxChannels && done + 2 * kRhoBatch <= HD) {
       int next[kRhoBatch], m = 0;
-      const int k = next_channels(ws, HD, ch, nch, next);
+      const double clear = kRhoMargin * rho_clear(z, a, rope_pos, ch, nch, rho) / rho;
+      const int k = next_channels(ws, HD, ch, nch, next, clear * clear);
       if (k == 0) break;
       for (int i = 0; i < k; ++i)
         for (const int p : {next[i], next[i] + int(HD)})
@@ -620,15 +690,7 @@ struct backend_ops_compressor {
         return r;
       };
       // Whether value e (and e + 1 of a pair) still holds a boundary with those bounds.
-      const auto splits = [&] {  // list_row's test (compressor_check.hpp)
-        if (!pair) return compressor_check::value_splits(y_of(ws, e), y_scale(z, e), rest(0), rho);
-        const index_t k = (e - nope) / 2;
-        const auto pabs = [&](int i) { return std::fabs(double(ws.pooled[i]) + double(ws.z[i])); };
-        return compressor_check::pair_splits(
-            y_of(ws, e), y_of(ws, e + 1), std::fabs(double(a.rope.cos_row(rope_pos)[k].to_float())),
-            std::fabs(double(a.rope.sin_row(rope_pos)[k].to_float())), y_scale(z, e),
-            y_scale(z, e + 1), rest(0), rest(1), pabs(e), pabs(e + 1), rho);
-      };
+      const auto splits = [&] { return listed_at(z, a, rope_pos, e, pair, rest(0), rest(1), rho); };
       while (splits()) {
         int best = -1;
         for (int k = 0; k < nk; ++k)
@@ -641,6 +703,43 @@ struct backend_ops_compressor {
     return m;
   }
 
+  // list_row's test (compressor_check.hpp) for value e, its pooled value's bound be, at ρ; a RoPE
+  // pair (e even past the nope values): both its values, bo the bound of e + 1's.
+  static bool listed_at(const Lane& z, const kernels::CompressorArgs& a, index_t rope_pos, int e,
+                        bool pair, double be, double bo, double rho) {
+    const Ws& ws = z.ws;
+    if (!pair) return compressor_check::value_splits(y_of(ws, e), y_scale(z, e), be, rho);
+    const index_t k = (e - (a.spec.head_dim - kRopeDim)) / 2;
+    const auto pabs = [&](int i) { return std::fabs(double(ws.pooled[i]) + double(ws.z[i])); };
+    return compressor_check::pair_splits(
+        y_of(ws, e), y_of(ws, e + 1), std::fabs(double(a.rope.cos_row(rope_pos)[k].to_float())),
+        std::fabs(double(a.rope.sin_row(rope_pos)[k].to_float())), y_scale(z, e), y_scale(z, e + 1),
+        be, bo, pabs(e), pabs(e + 1), rho);
+  }
+  // The ρ at which none of the listed values ch[0 .. nch) (listed at rho) holds a boundary with
+  // its own bounds as they are: the largest found by 20 bisections of [0, rho] (the listing's
+  // interval grows with ρ); 0 where one holds one at ρ = 0 (its own bound, which ρ's channels do
+  // not clear). Only a target: the rounds list again after each repair.
+  static double rho_clear(const Lane& z, const kernels::CompressorArgs& a, index_t rope_pos,
+                          const int* ch, int nch, double rho) {
+    const int HD = int(a.spec.head_dim), nope = HD - int(kRopeDim);
+    const auto any = [&](double r) {
+      for (int i = 0; i < nch; ++i) {
+        const int d = ch[i], e = d >= nope ? d - (d - nope) % 2 : d;
+        const double be = both_parts(z.ws.bound, HD, e);
+        const double bo = d >= nope ? both_parts(z.ws.bound, HD, e + 1) : 0.0;
+        if (listed_at(z, a, rope_pos, e, d >= nope, be, bo, r)) return true;
+      }
+      return false;
+    };
+    if (!(rho > 0.0) || any(0.0)) return 0.0;
+    double lo = 0.0, hi = rho;
+    for (int it = 0; it < 20; ++it) {
+      const double mid = 0.5 * (lo + hi);
+      (any(mid) ? hi : lo) = mid;
+    }
+    return lo;
+  }
   // Whether channel d has a part not yet repaired (a bound of either kind not 0).
   static bool left(const Ws& ws, index_t HD, int d) {
     return ws.bound[d] != 0.0f || ws.bound[HD + d] != 0.0f || ws.bound_r[d] != 0.0f ||
@@ -649,20 +748,28 @@ struct backend_ops_compressor {
   // The next channels to repair for ρ (check_rounding): the listed ones (ch[0 .. nch)) with a part
   // left, then the rest by their share of ρ's sum, (p_d · (bound_r[d] + bound_r[HD + d]))²,
   // largest first (ties: the lower channel), up to kRhoBatch in all; a repaired part's bounds are
-  // 0, as are those of a part with nothing to repair. Returns their number (0: no channel has a
-  // share left).
-  static int next_channels(const Ws& ws, index_t HD, const int* ch, int nch, int* next) {
+  // 0, as are those of a part with nothing to repair. Of those, the fewest (the listed ones at
+  // least) whose shares leave at most keep (a fraction) of the sum (every share's, the listed
+  // ones' too); keep = 0: all of them. Returns their number (0: no channel has a share left).
+  static int next_channels(const Ws& ws, index_t HD, const int* ch, int nch, int* next,
+                           double keep = 0.0) {
+    const auto share = [&](int d) {
+      const double p = (double(ws.pooled[d]) + double(ws.z[d])) * both_parts(ws.bound_r, HD, d);
+      return p * p;
+    };
     int m = 0;
     for (int i = 0; i < nch && m < kRhoBatch; ++i)
       if (left(ws, HD, ch[i]) && std::find(next, next + m, ch[i]) == next + m) next[m++] = ch[i];
     if (m == kRhoBatch) return m;
     const int listed = m;
     double top[kRhoBatch];  // the shares of next[listed .. m), descending
+    double sum = 0.0;       // every channel's share
     for (int d = 0; d < int(HD); ++d) {
       const double br = both_parts(ws.bound_r, HD, d);
-      if (br == 0.0 || std::find(next, next + listed, d) != next + listed) continue;
-      const double p = (double(ws.pooled[d]) + double(ws.z[d])) * br;
-      const double s = p * p;
+      if (br == 0.0) continue;
+      const double s = share(d);
+      sum += s;
+      if (std::find(next, next + listed, d) != next + listed) continue;
       if (!(s > 0.0) || (m == kRhoBatch && !(s > top[m - 1]))) continue;
       int i = m < kRhoBatch ? m++ : m - 1;  // full: the smallest share drops out
       for (; i > listed && top[i - 1] < s; --i) {
@@ -672,21 +779,34 @@ struct backend_ops_compressor {
       top[i] = s;
       next[i] = d;
     }
-    return m;
+    if (!(keep > 0.0)) return m;  // 0 (and a NaN): every channel found
+    double left_over = sum;       // the sum without the shares taken
+    for (int i = 0; i < listed; ++i) left_over -= share(next[i]);
+    int k = listed;
+    while (k < m && !(left_over <= keep * sum)) left_over -= top[k++];
+    return std::max(k, std::min(m, 1));
   }
 
+  // The FP32 copy of x_n that project made (ws.x32: the same values), or nullptr where it made
+  // none (Bf16Dot::exact; the vdpbf16ps path, which packs a BF16 panel there).
+  static const float* x32(const Cpu<I>& be, const kernels::CompressorArgs& a) {
+    const bool none =
+        be.bf16_dot == Bf16Dot::exact || (I == Isa::avx512 && be.bf16_dot == Bf16Dot::dpbf16);
+    return none ? nullptr : ws_of(a).x32;
+  }
   // Golden's state values of parts[0 .. np) (own_parts) of every written candidate. The
   // candidates on one half share the weight rows (wkv's or wgate's row off + d), so that half's
   // tokens go through them together: bf16_rows_gather_dots_rounded (golden's sums rounded to
-  // FP32, certified in a faster order with the rows' norms), the rows read once per kFewTok
-  // tokens.
-  static void repair_parts(const kernels::CompressorArgs& a, const WrittenCand* wc, int nw,
-                           const int* parts, int np) {
+  // FP32, certified in a faster order with the rows' norms; x widened from x32, the FP32 copy of
+  // x_n, where there is one), the rows read once per kFewTok tokens.
+  static void repair_parts(const kernels::CompressorArgs& a, const float* x32,
+                           const WrittenCand* wc, int nw, const int* parts, int np) {
     constexpr int kRows = 2 * std::max(kMaxChannels, kRhoBatch), kTok = kFewTok;
     const index_t D = a.cfg->hidden, OUT = a.spec.out_dim(), HD = a.spec.head_dim;
     const bf16* rows[kRows] = {};
     float norms[kRows] = {};
     const bf16* xs[kTok] = {};
+    const float* xf[kTok] = {};
     const WrittenCand* who[kTok];
     float s[kTok][kRows];
     bool taken[2 * 128] = {};
@@ -701,7 +821,8 @@ struct backend_ops_compressor {
       }
       int m = 0;
       const auto flush = [&] {
-        bf16_rows_gather_dots_rounded(I, m, xs, np, rows, norms, D, s[0], kRows);
+        bf16_rows_gather_dots_rounded(I, m, xs, np, rows, norms, D, s[0], kRows,
+                                      x32 ? xf : nullptr);
         for (int u = 0; u < m; ++u) {
           const WrittenCand& w = *who[u];
           const float* ape = &a.w.ape(a.meta.positions(w.t) % a.spec.ratio, off);
@@ -719,6 +840,7 @@ struct backend_ops_compressor {
         if (taken[p] || wc[p].off != off) continue;
         taken[p] = true;
         xs[m] = &a.x_n(wc[p].t, 0);
+        xf[m] = x32 ? x32 + wc[p].t * D : nullptr;
         who[m] = &wc[p];
         if (++m == kTok) flush();
       }
@@ -728,8 +850,11 @@ struct backend_ops_compressor {
 
   // Golden's state values of every channel of every written candidate (its half: kv and score):
   // the candidates' tokens in runs of consecutive tokens on one half, each run one pass over the
-  // half's weight rows (bf16_rows_dot_exact, into the tokens' proj rows: the weights are read once
-  // for the run), then + ape and copied into the state rows.
+  // half's weight rows (bf16_rows_gather_dots_rounded, as repair_parts: golden's sums rounded to
+  // FP32, certified, x widened from x32 where there is one; into the tokens' proj rows, the rows
+  // read once per kFewTok tokens of the run), then + ape and copied into the state rows. Zen 3,
+  // inner compressor, two tokens: 2.7k cycles a weight row in golden's order (bf16_rows_dot_exact,
+  // before), 1.7k here (counted in the kernel, the re-pooling included).
   static void repair_rows(const Lane& z, const kernels::CompressorArgs& a, const WrittenCand* wc,
                           int nw) {
     const index_t D = a.cfg->hidden, OUT = a.spec.out_dim(), HD = a.spec.head_dim;
@@ -755,13 +880,27 @@ struct backend_ops_compressor {
     }
     const index_t blocks = (HD + kExactTaskRows - 1) / kExactTaskRows;
     float* proj = z.ws.proj;
+    const float* xw = x32(*z.be, a);
     z.be->tasks(std::int64_t(nr) * 2 * blocks, [&](std::int64_t i) {
       const Run& r = runs[i / (2 * blocks)];
       const bool gate = (i / blocks) % 2 == 1;
       const index_t r0 = (i % blocks) * kExactTaskRows, n = std::min(kExactTaskRows, HD - r0);
       const ConstView<bf16, 2>& m = gate ? a.w.wgate : a.w.wkv;
-      bf16_rows_dot_exact(I, proj + r.t0 * SW + (gate ? OUT : 0) + r.off + r0, SW, &a.x_n(r.t0, 0),
-                          a.x_n.stride(0), r.nt, &m(r.off + r0, 0), m.stride(0), n, D);
+      const bf16* rows[kExactTaskRows];
+      for (index_t j = 0; j < n; ++j) rows[j] = &m(r.off + r0 + j, 0);
+      const float* norms = &a.w.row_norms((gate ? OUT : 0) + r.off + r0);
+      for (index_t t0 = 0; t0 < r.nt; t0 += kFewTok) {
+        const int nt = int(std::min<index_t>(kFewTok, r.nt - t0));
+        const bf16* xs[kFewTok];
+        const float* xf[kFewTok];
+        for (int u = 0; u < nt; ++u) {
+          xs[u] = &a.x_n(r.t0 + t0 + u, 0);
+          xf[u] = xw ? xw + (r.t0 + t0 + u) * D : nullptr;
+        }
+        bf16_rows_gather_dots_rounded(I, nt, xs, int(n), rows, norms, D,
+                                      proj + (r.t0 + t0) * SW + (gate ? OUT : 0) + r.off + r0, SW,
+                                      xw ? xf : nullptr);
+      }
     });
     for (int k = 0; k < nr; ++k) {
       const Run& r = runs[k];
