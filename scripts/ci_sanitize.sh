@@ -11,7 +11,8 @@
 #     checked the same way, successive commits rotate through the shards, and every binary runs
 #     every time.
 #  2. ThreadSanitizer (clang -fsanitize=thread): builds test_reliability and test_core (the
-#     thread pool, determinism and concurrent-call tests) and runs them.
+#     thread pool, determinism and concurrent-call tests) and runs them, and test_compressor's
+#     request lanes and thread-count cases (TSAN_COMPRESSOR_FILTER).
 #   SAN_BUILD_DIR / TSAN_BUILD_DIR   build folders (default build-asan, build-tsan)
 #   SAN_GTEST_FILTER                 gtest filter for pass 1 (default: no *Slow*, *Exhaustive* or
 #                                    full-width whole-layer cases, SAN_HEAVY)
@@ -134,16 +135,24 @@ tsan_stems=()
 for s in test_core test_reliability; do
   [ -f "$ROOT/tests/$s.cpp" ] && tsan_stems+=("$s")
 done
-echo "== tsan: building ${tsan_stems[*]}"
+# The compressor's requests on lanes at once (backend/cpu/compressor.hpp for_requests): only those
+# cases of its binary (~25 s under TSan on the 2-core dev VM).
+TSAN_COMPRESSOR_FILTER="${TSAN_COMPRESSOR_FILTER:-CompressorLanes.*:*.BitIdenticalForAnyThreadCount}"
+tsan_extra=()
+[ -f "$ROOT/tests/test_compressor.cpp" ] && tsan_extra+=(test_compressor)
+echo "== tsan: building ${tsan_stems[*]} ${tsan_extra[*]}"
 CC=clang CXX=clang++ cmake -S "$ROOT" -B "$TSAN_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CXX_FLAGS_RELEASE="-O1 -g1" -DCMAKE_CXX_FLAGS="-fsanitize=thread" \
   -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread" -DTILEDECODE_SANITIZE=OFF \
   -DTILEDECODE_BUILD_TESTS=ON -DTILEDECODE_BUILD_BENCH=OFF -DTILEDECODE_BUILD_EXAMPLES=OFF >/dev/null
 targets=()
-for s in "${tsan_stems[@]}"; do targets+=(--target "$s"); done
+for s in "${tsan_stems[@]}" "${tsan_extra[@]}"; do targets+=(--target "$s"); done
 cmake --build "$TSAN_BUILD_DIR" -j "$JOBS" "${targets[@]}"
 echo "== tsan: build took $((SECONDS - t0)) s"
 export TSAN_OPTIONS="${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}"
 t1=$SECONDS
 run_binaries "tsan" "$TSAN_BUILD_DIR" "$SAN_GTEST_FILTER" "${tsan_stems[@]}"
+if [ ${#tsan_extra[@]} -gt 0 ]; then
+  run_binaries "tsan" "$TSAN_BUILD_DIR" "$TSAN_COMPRESSOR_FILTER" "${tsan_extra[@]}"
+fi
 echo "== tsan: passed (run $((SECONDS - t1)) s, total $((SECONDS - t0)) s)"
