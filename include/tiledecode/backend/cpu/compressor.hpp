@@ -150,6 +150,9 @@ namespace tiledecode::cpu {
 template <Isa I>
 struct backend_ops_compressor {
   static constexpr bool avx2 = has_avx2(I) && TILEDECODE_X86;
+  // The AVX2 pooling keeps the sums before the written candidates (ws.pre; the AVX-512 tier's
+  // pooling keeps none): pool, resume_block.
+  static constexpr bool keeps_pre = avx2 && I != Isa::avx512;
   using Ws = kernels::detail::CompressorWorkspace;
 
   static void check(const Cpu<I>&, const kernels::CompressorArgs&) {}
@@ -165,7 +168,7 @@ struct backend_ops_compressor {
     // The FP32 copy of x_n for the FMA kernels (the vdpbf16ps and the exact ones read the BF16
     // rows).
     const bool exact = be.bf16_dot == Bf16Dot::exact;
-    const bool bf16_rows = I == Isa::avx512 && be.bf16_dot == Bf16Dot::dpbf16;
+    [[maybe_unused]] const bool bf16_rows = I == Isa::avx512 && be.bf16_dot == Bf16Dot::dpbf16;
 #if TILEDECODE_X86
     // The blocked vdpbf16ps kernel reads x_n as a token panel, packed once here into the FP32
     // copy's space (unused on that path: 2·T·D BF16 elements), shared by every row task.
@@ -173,7 +176,7 @@ struct backend_ops_compressor {
     [[maybe_unused]] bf16* const xp = reinterpret_cast<bf16*>(ws.x32);
     if (panel) avx512::pack_bf16_panel(be, xp, a.x_n.data(), a.x_n.stride(0), T, D);
 #endif
-    if (!bf16_rows && !exact) {
+    if (x32_made(be)) {
       be.tasks(T, [&](std::int64_t t) {
         const bf16* src = a.x_n.data() + t * a.x_n.stride(0);
         float* dst = ws.x32 + t * D;
@@ -347,7 +350,7 @@ struct backend_ops_compressor {
     // The rounding check's re-pooling resumes after the candidates before the request's tokens
     // (the last S of the window at most: positions ascend), from sums the AVX2 pooling keeps.
     const int pre_j = std::max(0, n - int(a.meta.shape.seq));
-    z.pre_j = avx2 && I != Isa::avx512 && checking(*z.be, a) ? pre_j : -1;
+    z.pre_j = keeps_pre && checking(*z.be, a) ? pre_j : -1;
     // Channel blocks only where the window is long enough to be worth a task (shape-only rule).
     const index_t grain = n >= 64 ? 128 : HD;
     z.be->tasks((HD + grain - 1) / grain, [&](std::int64_t i) {
@@ -387,7 +390,7 @@ struct backend_ops_compressor {
   static bool resume_block(const float* const* kv, const float* const* sc, int n, const Ws& ws,
                            index_t c, int j0) {
 #if TILEDECODE_X86
-    if constexpr (avx2 && I != Isa::avx512)
+    if constexpr (keeps_pre)
       return avx2::compressor_pool_resume(ws.pooled, ws.z, kv, sc, n, c, j0, ws.pre, ws.mx);
 #endif
     (void)kv, (void)sc, (void)n, (void)ws, (void)c, (void)j0;
@@ -596,7 +599,8 @@ struct backend_ops_compressor {
     // Whether a repaired block resumes from the pooling's sums (every written candidate after
     // them).
     const bool resume = z.pre_j >= 0 && first >= z.pre_j;
-    if (nw == 0) return;  // every candidate is an input: y is golden's
+    if (nw == 0) return;              // every candidate is an input: y is golden's
+    const float* xw = x32(*z.be, a);  // the repairs' x (FP32), where project made it
     compressor_check::pool_bound(I, ws.bound, ws.bound_r, ws.pooled, ws.mx, ws.ls, wr, nw, HD);
     const index_t rope_pos = a.rope_position(b, c);
     int ch[kMaxChannels + 1];
@@ -607,7 +611,7 @@ struct backend_ops_compressor {
     // that hold them are pooled again (pool_block: every tier's bits; the other channels' values
     // do not move) and y follows.
     const auto repair = [&](const int* parts, int m) {
-      repair_parts(a, x32(*z.be, a), wc, nw, parts, m);
+      repair_parts(a, xw, wc, nw, parts, m);
       index_t blocks[2 * kMaxChannels];
       int nb = 0;
       for (int i = 0; i < m; ++i) {
@@ -788,12 +792,14 @@ struct backend_ops_compressor {
     return std::max(k, std::min(m, 1));
   }
 
-  // The FP32 copy of x_n that project made (ws.x32: the same values), or nullptr where it made
-  // none (Bf16Dot::exact; the vdpbf16ps path, which packs a BF16 panel there).
+  // Whether project makes the FP32 copy of x_n (ws.x32): not with Bf16Dot::exact (double dots on
+  // the BF16 rows) nor on the vdpbf16ps path (which packs a BF16 panel there).
+  static bool x32_made(const Cpu<I>& be) {
+    return be.bf16_dot != Bf16Dot::exact && !(I == Isa::avx512 && be.bf16_dot == Bf16Dot::dpbf16);
+  }
+  // That copy (the same values as x_n), or nullptr where project made none.
   static const float* x32(const Cpu<I>& be, const kernels::CompressorArgs& a) {
-    const bool none =
-        be.bf16_dot == Bf16Dot::exact || (I == Isa::avx512 && be.bf16_dot == Bf16Dot::dpbf16);
-    return none ? nullptr : ws_of(a).x32;
+    return x32_made(be) ? ws_of(a).x32 : nullptr;
   }
   // Golden's state values of parts[0 .. np) (own_parts) of every written candidate. The
   // candidates on one half share the weight rows (wkv's or wgate's row off + d), so that half's
