@@ -265,6 +265,17 @@ LayerWeights::LayerWeights(std::int64_t kind_, c10::Dict<std::string, at::Tensor
   // The rounding checks' norms (the step validates their shapes against the config).
   wq_a_norm = td::kernels::qkv_wq_a_norms(w.qkv.wq_a);
   w.qkv.wq_a_norm = wq_a_norm.view();
+  wkv_norm = td::kernels::qkv_wkv_norms(w.qkv.wkv);
+  w.qkv.wkv_norm = wkv_norm.view();
+  // The transposed wq_a | wkv that those two checks' repairs read (a row per dot instead of a
+  // cache line per k of a column: 10-21 % of the q/kv projection on an Intel Xeon, T = 8-128), as
+  // LayerWeightsStorage::pack makes it, except where the projection's own dots would run on it
+  // (kernels::qkv_bf16_rows_useful: AMD with AVX-512): there the step keeps the standalone ops'
+  // FMA order and bits, and the repairs read the columns (+4 % on Zen 5, docs/compressors.md).
+  if (!td::kernels::qkv_bf16_rows_useful()) {
+    qkv_rows = td::kernels::pack_qkv_bf16_rows(cfg, w.qkv.wq_a, w.qkv.wkv);
+    w.qkv.bf16_rows = &qkv_rows;
+  }
   wo_a_norm = td::kernels::output_projection_row_norms(w.wo_a);
   w.wo_a_norm = wo_a_norm.view();
   if (td::cpu::cpu_supports(td::cpu::Isa::avx2_vnni) ||
@@ -285,6 +296,16 @@ LayerWeights::LayerWeights(std::int64_t kind_, c10::Dict<std::string, at::Tensor
   idx_packed = td::kernels::pack_indexer_query_weights(cfg, w.indexer.wq_b, w.indexer.wq_b_scale,
                                                        w.indexer.hadamard);
   w.indexer.packed_query = &idx_packed;
+}
+
+void LayerWeights::enable_compressor_rounding_check() {
+  if (kind == td::LayerKind::swa || cmp_row_norms.size() > 0) return;
+  cmp_row_norms = td::kernels::compressor_row_norms(w.compressor.wkv, w.compressor.wgate);
+  w.compressor.row_norms = cmp_row_norms.view();
+  if (kind != td::LayerKind::csa) return;
+  inner_row_norms =
+      td::kernels::compressor_row_norms(w.indexer.compressor.wkv, w.indexer.compressor.wgate);
+  w.indexer.compressor.row_norms = inner_row_norms.view();
 }
 
 }  // namespace tdpy

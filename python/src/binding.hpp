@@ -159,12 +159,15 @@ struct Workspace : torch::CustomClassHolder {
 
 // One layer's weights: views of the caller's tensors (kept alive here) plus the load-time packed
 // copies the CPU step needs (indexer query weights; wq_b for the VNNI tiers) and the rounding
-// checks' norms (wq_a's columns, wo_a's rows: the ops qkv_wq_a_norms and
+// checks' norms (wq_a's and wkv's columns, wo_a's rows: the ops qkv_wq_a_norms, qkv_wkv_norms and
 // output_projection_row_norms give the same, for the standalone qkv_projection and
-// output_projection; the compressors' check is opt-in, the ops' optional row_norms). Not the
-// transposed wq_a | wkv of LayerWeightsStorage::pack (QkvWeights::bf16_rows): the standalone ops
-// take plain weight tensors, so the q/kv projection keeps the FMA order here and the step's
-// intermediates equal the ops' outputs bit for bit (tests/python/test_kernels.py).
+// output_projection, as LayerWeightsStorage::pack makes them) and the transposed wq_a | wkv their
+// repairs read, except on AMD with AVX-512, where the q/kv projection would run on it
+// (QkvWeights::bf16_rows): the standalone ops take plain weight tensors, so the q/kv projection
+// keeps the FMA order here and the step's intermediates equal the ops' outputs bit for bit
+// (tests/python/test_kernels.py). The compressors' check is opt-in, as
+// LayerWeightsStorage::enable_compressor_rounding_check: enable_compressor_rounding_check() makes
+// their row norms (the ops' optional row_norms, compressor_row_norms).
 struct LayerWeights : torch::CustomClassHolder {
   LayerWeights(std::int64_t kind, c10::Dict<std::string, at::Tensor> tensors, std::string config);
   std::string config;
@@ -173,9 +176,14 @@ struct LayerWeights : torch::CustomClassHolder {
   c10::Dict<std::string, at::Tensor> tensors;
   td::kernels::IndexerQueryWeights idx_packed;
   td::QkvPackedWqB wq_b_packed;
-  td::Tensor<float, 1> wq_a_norm;
+  td::Tensor<float, 1> wq_a_norm, wkv_norm;
+  td::QkvBf16Rows qkv_rows;  // empty where kernels::qkv_bf16_rows_useful (binding.cpp)
   td::Tensor<float, 2> wo_a_norm;
+  td::Tensor<float, 1> cmp_row_norms, inner_row_norms;  // empty until the opt-in below
   td::decode::LayerWeights w;
+  // The compressors' rounding check for this layer's compressors (none on SWA; idempotent). Not
+  // while a step with these weights runs.
+  void enable_compressor_rounding_check();
 };
 
 // Names of the weight tensors of a family (LayerWeights' dict keys), in the spec's order.

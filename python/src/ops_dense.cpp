@@ -60,7 +60,8 @@ void qkv_projection(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
                     const at::Tensor& wq_b_scale, const at::Tensor& wkv,
                     const at::Tensor& gamma_ckv, const at::Tensor& rope_cos,
                     const at::Tensor& rope_sin, const at::Tensor& position_ids,
-                    const std::string& config, const c10::optional<at::Tensor>& wq_a_norm) {
+                    const std::string& config, const c10::optional<at::Tensor>& wq_a_norm,
+                    const c10::optional<at::Tensor>& wkv_norm) {
   constexpr std::string_view op = "qkv_projection";
   const td::ModelConfig cfg = parse_config(op, config);
   const auto ctx = cpu_context();
@@ -72,8 +73,10 @@ void qkv_projection(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
                    cview_of<td::bf16, 2>(wkv, op, "wkv"),
                    cview_of<td::bf16, 1>(gamma_ckv, op, "gamma_ckv"),
                    nullptr};
-  // The q-latent's rounding check (qkv_wq_a_norms; the layer step's LayerWeights makes them).
+  // The q-latent's and the kv rounding checks (qkv_wq_a_norms, qkv_wkv_norms; the layer step's
+  // LayerWeights makes both).
   w.wq_a_norm = opt_view_of<const float, 1>(wq_a_norm, op, "wq_a_norm");
+  w.wkv_norm = opt_view_of<const float, 1>(wkv_norm, op, "wkv_norm");
   const auto rope = rope_of(rope_cos, rope_sin, op);
   const auto pos = cview_of<std::int32_t, 1>(position_ids, op, "position_ids");
   auto qv = view_of<td::bf16, 3>(q, op, "q");
@@ -130,15 +133,28 @@ void output_projection(const at::Tensor& attn_out, const at::Tensor& o_packed,
                         opt_view_of<const float, 2>(wo_a_norm, op, "wo_a_norm"));
 }
 
-// The rounding checks' weight norms (load-time preparations; LayerWeights makes both): each
-// column of wq_a, each row of wo_a, bounded from above (FP32, +Inf for one with a NaN).
-void qkv_wq_a_norms(const at::Tensor& norm, const at::Tensor& wq_a) {
-  constexpr std::string_view op = "qkv_wq_a_norms";
-  const auto w = cview_of<td::bf16, 2>(wq_a, op, "wq_a");
+// The rounding checks' weight norms (load-time preparations; LayerWeights makes all three): each
+// column of wq_a, each column of wkv, each row of wo_a, bounded from above (FP32, +Inf for one
+// with a NaN).
+// norm[i] = columns(w)[i] for each column i of the BF16 weight w (named `name`).
+template <class F>
+void column_norms(std::string_view op, const at::Tensor& norm, const at::Tensor& weight,
+                  const char* name, F columns) {
+  const auto w = cview_of<td::bf16, 2>(weight, op, name);
   const auto nv = view_of<float, 1>(norm, op, "norm");
   td::check_extents(op, "norm", nv, {w.extent(1)});
-  const td::Tensor<float, 1> n = tk::qkv_wq_a_norms(w);
+  const td::Tensor<float, 1> n = columns(w);
   for (index_t i = 0; i < w.extent(1); ++i) nv(i) = n.data()[i];
+}
+
+void qkv_wq_a_norms(const at::Tensor& norm, const at::Tensor& wq_a) {
+  column_norms("qkv_wq_a_norms", norm, wq_a, "wq_a",
+               [](const auto& w) { return tk::qkv_wq_a_norms(w); });
+}
+
+void qkv_wkv_norms(const at::Tensor& norm, const at::Tensor& wkv) {
+  column_norms("qkv_wkv_norms", norm, wkv, "wkv",
+               [](const auto& w) { return tk::qkv_wkv_norms(w); });
 }
 
 void output_projection_row_norms(const at::Tensor& norm, const at::Tensor& wo_a) {
@@ -159,6 +175,7 @@ TORCH_LIBRARY_IMPL(tiledecode, CompositeImplicitAutograd, m) {
   m.impl("sparse_attention", TORCH_FN(sparse_attention));
   m.impl("output_projection", TORCH_FN(output_projection));
   m.impl("qkv_wq_a_norms", TORCH_FN(qkv_wq_a_norms));
+  m.impl("qkv_wkv_norms", TORCH_FN(qkv_wkv_norms));
   m.impl("output_projection_row_norms", TORCH_FN(output_projection_row_norms));
 }
 

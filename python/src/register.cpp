@@ -60,7 +60,10 @@ TORCH_LIBRARY(tiledecode, m) {
       .def(torch::init<std::int64_t, c10::Dict<std::string, at::Tensor>, std::string>())
       .def("kind", [](const c10::intrusive_ptr<LayerWeights>& w) { return std::int64_t(w->kind); })
       .def("config", [](const c10::intrusive_ptr<LayerWeights>& w) { return w->config; })
-      .def("tensors", [](const c10::intrusive_ptr<LayerWeights>& w) { return w->tensors; });
+      .def("tensors", [](const c10::intrusive_ptr<LayerWeights>& w) { return w->tensors; })
+      .def("enable_compressor_rounding_check", &LayerWeights::enable_compressor_rounding_check)
+      .def("compressor_rounding_check",
+           [](const c10::intrusive_ptr<LayerWeights>& w) { return w->cmp_row_norms.size() > 0; });
 
   // ---- runtime
   m.def("set_num_threads(int n) -> ()", &set_num_threads);
@@ -95,7 +98,7 @@ TORCH_LIBRARY(tiledecode, m) {
       "qkv_projection(Tensor(a!) q, Tensor(b!) kv, Tensor(c!) qr, Tensor(d!) qr_scale, "
       "Tensor x_n, Tensor wq_a, Tensor gamma_cq, Tensor wq_b, Tensor wq_b_scale, Tensor wkv, "
       "Tensor gamma_ckv, Tensor rope_cos, Tensor rope_sin, Tensor position_ids, "
-      "str config=\"flash\", Tensor? wq_a_norm=None) -> ()");
+      "str config=\"flash\", Tensor? wq_a_norm=None, Tensor? wkv_norm=None) -> ()");
   m.def(
       "hc_post(Tensor(a!) x_out, Tensor attn_out, Tensor x_hc, Tensor post, Tensor comb, "
       "str config=\"flash\") -> ()");
@@ -142,6 +145,7 @@ TORCH_LIBRARY(tiledecode, m) {
   // The rounding checks' norms (issue 17): pass them to qkv_projection / output_projection to get
   // the layer step's bits (LayerWeights makes them at load time).
   m.def("qkv_wq_a_norms(Tensor(a!) norm, Tensor wq_a) -> ()");
+  m.def("qkv_wkv_norms(Tensor(a!) norm, Tensor wkv) -> ()");
   m.def("output_projection_row_norms(Tensor(a!) norm, Tensor wo_a) -> ()");
 
   // ---- one whole layer (spec §4, §9.2)

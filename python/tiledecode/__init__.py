@@ -262,14 +262,25 @@ class Workspace:
 
 class Weights:
     """One layer's weights: the caller's tensors (kept, not copied: see weight_shapes for names,
-    shapes and dtypes) plus the packed copies the CPU step makes once at load time (the indexer
-    query weights of CSA layers; wq_b for the AVX-VNNI / AVX-512 tiers). Re-create it if the
-    weight values change in place."""
+    shapes and dtypes) plus what the CPU step makes once at load time: the packed copies (the
+    indexer query weights of CSA layers; wq_b for the AVX-VNNI / AVX-512 tiers) and the rounding
+    checks' weight norms (wq_a's and wkv's columns, wo_a's rows: the q-latent, kv and o-proj
+    checks, always on, as ops.qkv_wq_a_norms, ops.qkv_wkv_norms and
+    ops.output_projection_row_norms make them). compressor_check=True also turns on the
+    compressors' rounding check (opt-in: it costs about 4-6 % of a compressor on one thread;
+    docs/compressors.md), the row norms of ops.compressor_row_norms. Re-create it if the weight
+    values change in place."""
 
-    def __init__(self, kind, tensors, config="flash"):
+    def __init__(self, kind, tensors, config="flash", compressor_check=False):
         self.kind = kind
         self.config = _cfg(config)
         self.obj = torch.classes.tiledecode.LayerWeights(kind, dict(tensors), str(self.config))
+        if compressor_check:
+            self.obj.enable_compressor_rounding_check()
+
+    @property
+    def compressor_check(self):
+        return self.obj.compressor_rounding_check()
 
 
 def rope_table(kind, length=None, config="flash"):

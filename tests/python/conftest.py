@@ -17,9 +17,10 @@ STARTS = (8192, 127)  # request 1, s = 0 closes a ratio-4 and a ratio-128 window
 
 
 class Layer:
-    """One layer step of `kind` at STARTS with MTP commit 1, everything kept for the tests."""
+    """One layer step of `kind` at STARTS with MTP commit 1, everything kept for the tests
+    (compressor_check: the Weights' opt-in compressor rounding check)."""
 
-    def __init__(self, kind, cfg=None, starts=STARTS, seed=7):
+    def __init__(self, kind, cfg=None, starts=STARTS, seed=7, compressor_check=False):
         self.kind = kind
         self.cfg = cfg or td.Config("flash").narrow()
         self.B, self.S = len(starts), S
@@ -29,7 +30,7 @@ class Layer:
         self.md = td.StepMetadata(self.B, self.S, self.cfg)
         self.ws = td.Workspace(self.B, self.S, self.cfg)
         self.w = syn.weights(kind, self.cfg, layer=kind, seed=seed)
-        self.W = td.Weights(kind, self.w, self.cfg)
+        self.W = td.Weights(kind, self.w, self.cfg, compressor_check=compressor_check)
         self.before = syn.caches(kind, self.pools, self.cfg, layer=kind, seed=seed)
         self.caches = {k: v.clone() for k, v in self.before.items()}
         self.rope = td.rope_table(kind, config=self.cfg)
@@ -55,6 +56,17 @@ def csa():
 @pytest.fixture(scope="session")
 def hca():
     return Layer(td.HCA)
+
+
+@pytest.fixture(scope="session")
+def csa_checked():
+    """The csa step with the compressors' rounding check (td.Weights(compressor_check=True))."""
+    return Layer(td.CSA, compressor_check=True)
+
+
+@pytest.fixture(scope="session")
+def hca_checked():
+    return Layer(td.HCA, compressor_check=True)
 
 
 @pytest.fixture(scope="session")

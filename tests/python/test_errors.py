@@ -127,6 +127,20 @@ def test_kernel_ops_bad_inputs(csa):
                            m["csa_state_slot_mapping"], m["csa_cmp_slot_mapping"],
                            L.tables["csa_state_table"], *L.rope, 4, L.S, str(c), bad)
     assert torch.equal(state, L.before["state"]) and torch.equal(cmp_kv, L.before["cmp_kv"])
+    # the kv check's norms: a negative one, a wrong shape; nothing written
+    knorm = torch.empty(c.head_dim)
+    ops.qkv_wkv_norms(knorm, L.w["wkv"])
+    knorm[3] = -1.0
+    q = torch.full((L.T, c.n_heads, c.head_dim), 5.0, dtype=torch.bfloat16)
+    kv = torch.full((L.T, c.head_dim), 5.0, dtype=torch.bfloat16)
+    qr = torch.full((L.T, c.q_lora), 5, dtype=torch.int8)
+    qr_scale = torch.full((L.T,), 5.0)
+    for bad, what in ((knorm, r"'w\.wkv_norm\[3\]' = -1"), (knorm[1:], "wkv_norm")):
+        with pytest.raises(RuntimeError, match=what):
+            ops.qkv_projection(q, kv, qr, qr_scale, L.v["x_n"], L.w["wq_a"], L.w["gamma_cq"],
+                               L.w["wq_b"], L.w["wq_b_scale"], L.w["wkv"], L.w["gamma_ckv"],
+                               *L.rope, m["position_ids"], str(c), None, bad)
+    assert q.eq(5.0).all() and kv.eq(5.0).all() and qr.eq(5).all() and qr_scale.eq(5.0).all()
     # top-k: k larger than the row
     topk = torch.full((L.T, c.score_len), 7, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="topk"):

@@ -57,24 +57,72 @@ def test_qkv_projection(family, request):
     qr = torch.empty(L.T, c.q_lora, dtype=torch.int8)
     qr_scale = torch.empty(L.T)
     pos = L.meta["position_ids"]
-    # with the q-latent's rounding check (the norms the layer step's Weights makes) and without
+    # with the q-latent's and the kv rounding checks (the norms the layer step's Weights makes),
+    # with one of them, and without
     wq_a_norm = torch.empty(c.q_lora)
     ops.qkv_wq_a_norms(wq_a_norm, L.w["wq_a"])
+    wkv_norm = torch.empty(c.head_dim)
+    ops.qkv_wkv_norms(wkv_norm, L.w["wkv"])
     rq, rkv, rqr, rqs = ref.qkv_projection(L.v["x_n"], L.w, *L.rope, pos, c)
-    for norm in (wq_a_norm, None):
+    for qn, kn in ((wq_a_norm, wkv_norm), (wq_a_norm, None), (None, None)):
         ops.qkv_projection(q, kv, qr, qr_scale, L.v["x_n"], L.w["wq_a"], L.w["gamma_cq"],
                            L.w["wq_b"], L.w["wq_b_scale"], L.w["wkv"], L.w["gamma_ckv"], *L.rope,
-                           pos, str(c), norm)
+                           pos, str(c), qn, kn)
         assert_close(qr, rqr, QR)
         assert_close(qr_scale, rqs, QR_SCALE)
         assert_close(q, rq, BF16_RULE)
         assert_close(kv, rkv, BF16_RULE)
-        if norm is not None:
-            for name, t in (("q", q), ("kv", kv), ("qr", qr), ("qr_scale", qr_scale)):
+        if qn is not None:
+            for name, t in (("q", q), ("qr", qr), ("qr_scale", qr_scale)):
                 assert torch.equal(t, L.v[name]), name
+        if kn is not None:
+            assert torch.equal(kv, L.v["kv"])
 
 
-@pytest.mark.parametrize("family", ["csa", "hca", "csa_flash"])
+def test_kv_check_reaches_the_layer_step():
+    """The Weights' kv rounding check is what the layer step runs: at this seed one kv value of
+    the step differs between the check (wkv_norm) and the plain FP32 dots, and the step's kv is
+    the checked one."""
+    from conftest import Layer
+    L = Layer(td.SWA, seed=31)
+    c = L.cfg
+    wkv_norm = torch.empty(c.head_dim)
+    ops.qkv_wkv_norms(wkv_norm, L.w["wkv"])
+    got = {}
+    for kn in (wkv_norm, None):
+        q = torch.empty(L.T, c.n_heads, c.head_dim, dtype=torch.bfloat16)
+        kv = torch.empty(L.T, c.head_dim, dtype=torch.bfloat16)
+        qr = torch.empty(L.T, c.q_lora, dtype=torch.int8)
+        qr_scale = torch.empty(L.T)
+        ops.qkv_projection(q, kv, qr, qr_scale, L.v["x_n"], L.w["wq_a"], L.w["gamma_cq"],
+                           L.w["wq_b"], L.w["wq_b_scale"], L.w["wkv"], L.w["gamma_ckv"], *L.rope,
+                           L.meta["position_ids"], str(c), None, kn)
+        got[kn is None] = kv
+    assert (got[False] != got[True]).sum().item() == 1
+    assert torch.equal(L.v["kv"], got[False])
+
+
+def test_compressor_check_reaches_the_layer_step(csa, csa_checked, hca, hca_checked):
+    """td.Weights(compressor_check=True) is what the layer step runs (test_compressor and
+    test_indexer_compressor: its pools equal the ops' given row_norms): at these fixtures the
+    check repairs state values, so its pools differ from the unchecked step's."""
+    assert csa_checked.W.compressor_check and not csa.W.compressor_check
+    for plain, checked in ((csa, csa_checked), (hca, hca_checked)):
+        assert not torch.equal(plain.caches["state"], checked.caches["state"])
+    assert not torch.equal(csa.caches["inner_state"], csa_checked.caches["inner_state"])
+
+
+def row_norms(L, prefix):
+    """The compressor rounding check's row norms where L's Weights turned it on, else None."""
+    if not L.W.compressor_check:
+        return None
+    wkv = L.w[prefix + "wkv"]
+    n = torch.empty(2 * wkv.shape[0])
+    ops.compressor_row_norms(n, wkv, L.w[prefix + "wgate"])
+    return n
+
+
+@pytest.mark.parametrize("family", ["csa", "hca", "csa_flash", "csa_checked", "hca_checked"])
 def test_compressor(family, request):
     L = request.getfixturevalue(family)
     c = L.cfg
@@ -89,7 +137,7 @@ def test_compressor(family, request):
     table = L.tables["csa_state_table" if csa else "hca_state_table"]
     ops.compressor(state, cmp_kv, kv_out, L.v["x_n"], L.w["cmp_wkv"], L.w["cmp_wgate"],
                    L.w["cmp_ape"], L.w["cmp_norm_w"], m["position_ids"], state_slots, cmp_slots,
-                   table, *L.rope, R, L.S, str(c))
+                   table, *L.rope, R, L.S, str(c), row_norms(L, "cmp_"))
     rstate = L.before["state"].to(torch.float64).clone()
     emitted, rkv_out = ref.compressor(
         rstate, L.v["x_n"], L.w["cmp_wkv"], L.w["cmp_wgate"], L.w["cmp_ape"], L.w["cmp_norm_w"],
@@ -107,8 +155,9 @@ def test_compressor(family, request):
     assert torch.equal(state, L.caches["state"]) and torch.equal(cmp_kv, L.caches["cmp_kv"])
 
 
-def test_indexer_compressor(csa):
-    L = csa
+@pytest.mark.parametrize("family", ["csa", "csa_checked"])
+def test_indexer_compressor(family, request):
+    L = request.getfixturevalue(family)
     c = L.cfg
     m = L.meta
     state = L.before["inner_state"].clone()
@@ -118,7 +167,7 @@ def test_indexer_compressor(csa):
                            L.w["inner_wgate"], L.w["inner_ape"], L.w["inner_norm_w"],
                            L.w["hadamard"], m["position_ids"], m["csa_inner_state_slot_mapping"],
                            m["csa_idx_slot_mapping"], L.tables["csa_inner_state_table"], *L.rope,
-                           L.S, 0, str(c))
+                           L.S, 0, str(c), row_norms(L, "inner_"))
     rstate = L.before["inner_state"].to(torch.float64).clone()
     emitted, _ = ref.compressor(
         rstate, L.v["x_n"], L.w["inner_wkv"], L.w["inner_wgate"], L.w["inner_ape"],

@@ -245,14 +245,15 @@ constexpr index_t compressor_dep_entries(const ModelConfig& cfg, const Compresso
 
 // Workspace (FP32 elements) one compressor step with `tokens` = B*S rows needs:
 // x_n widened to FP32 (T, D), the projected state rows (T, 2*OUT_DIM), one masked state row,
-// norm_w as FP32 (head_dim), the written tokens' slots (T INT64) and token order (T INT32), the
-// lanes' independence test (detail::compressor_dep_entries), and kCompressorLanes lanes of the
-// pooled / normalised / rotated row buffers and the rounding check's rows (compressor_lane_size).
+// norm_w as FP32 (head_dim), the written tokens' slots (T INT64), token order (T INT32) and error
+// scales (T), the lanes' independence test (detail::compressor_dep_entries), and kCompressorLanes
+// lanes of the pooled / normalised / rotated row buffers and the rounding check's rows
+// (compressor_lane_size).
 constexpr index_t compressor_workspace_size(const ModelConfig& cfg, const CompressorSpec& spec,
                                             index_t tokens) {
   return detail::ws_round(tokens * cfg.hidden) + detail::ws_round(tokens * spec.state_width()) +
          detail::ws_round(spec.state_width()) + detail::ws_round(spec.head_dim) +
-         detail::ws_round(2 * tokens) + detail::ws_round(tokens) +
+         detail::ws_round(2 * tokens) + 2 * detail::ws_round(tokens) +
          detail::ws_round(4 * detail::compressor_dep_entries(cfg, spec, tokens)) +
          detail::kCompressorLanes * detail::compressor_lane_size(spec);
 }

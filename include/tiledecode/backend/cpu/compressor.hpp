@@ -91,7 +91,7 @@ struct DepEntry {
   std::int64_t who;  // 2 · request + (1: written)
 };
 
-// Shared: x32 .. written, deps; the rest per request lane (lane 0 unless the tails run on lanes).
+// Shared: x32 .. ax, deps; the rest per request lane (lane 0 unless the tails run on lanes).
 struct CompressorWorkspace {
   float* x32;       // (T, D)
   float* proj;      // (T, 2*OUT_DIM): [kv | g] = the state rows of this step
@@ -112,6 +112,8 @@ struct CompressorWorkspace {
   std::int32_t* hit;      // (head_dim) the rounding check: the listing's flags per value
   std::int64_t* keys;     // (T) the rounding check: the state slot of written[i] (unmapped last)
   std::int32_t* written;  // (T) the rounding check: tokens sorted by (state slot, t)
+  float* ax;              // (T) the rounding check: 2^-24 · max_k |x_n[t, k]|, each token's
+                          // error scale (compressor_check::Written::a)
 };
 
 // The workspace's parts (kernels::compressor_workspace_size), with request lane `lane`'s rows.
@@ -125,7 +127,8 @@ inline CompressorWorkspace carve_workspace(const ModelConfig& cfg, const Compres
   w.nw = w.null_row + ws_round(spec.state_width());
   w.keys = reinterpret_cast<std::int64_t*>(w.nw + ws_round(HD));
   w.written = reinterpret_cast<std::int32_t*>(w.keys) + ws_round(2 * T);
-  w.deps = reinterpret_cast<DepEntry*>(w.written + ws_round(T));
+  w.ax = reinterpret_cast<float*>(w.written) + ws_round(T);
+  w.deps = reinterpret_cast<DepEntry*>(w.ax + ws_round(T));
   float* l = reinterpret_cast<float*>(w.deps) + ws_round(4 * compressor_dep_entries(cfg, spec, T)) +
              lane * compressor_lane_size(spec);
   w.pooled = l;
@@ -176,11 +179,15 @@ struct backend_ops_compressor {
     [[maybe_unused]] bf16* const xp = reinterpret_cast<bf16*>(ws.x32);
     if (panel) avx512::pack_bf16_panel(be, xp, a.x_n.data(), a.x_n.stride(0), T, D);
 #endif
-    if (x32_made(be)) {
+    // The FP32 copy, and the rounding check's error scale of each token while its row is in L1.
+    const bool made = x32_made(be), check = checking(be, a);
+    if (made || check) {
       be.tasks(T, [&](std::int64_t t) {
         const bf16* src = a.x_n.data() + t * a.x_n.stride(0);
         float* dst = ws.x32 + t * D;
-        for (index_t k = 0; k < D; ++k) dst[k] = src[k].to_float();
+        if (made)
+          for (index_t k = 0; k < D; ++k) dst[k] = src[k].to_float();
+        if (check) ws.ax[t] = 0x1p-24f * rounding_check::bf16_abs_max(I, src, D);
       });
     }
     // Tasks of RB rows of wkv, then of wgate: the split depends on the shape (and the path) only.
@@ -238,7 +245,7 @@ struct backend_ops_compressor {
       for (index_t o = 0; o < OUT; ++o) g[o] += a.w.ape(r, o);
     }
     for (index_t i = 0; i < SW; ++i) ws.null_row[i] = i < OUT ? 0.0f : kNegBig;
-    if (checking(be, a)) {  // the rounding check's lookup of the step's writers (writer below)
+    if (check) {  // the rounding check's lookup of the step's writers (writer below)
       for (index_t t = 0; t < T; ++t) ws.written[t] = std::int32_t(t);
       std::sort(ws.written, ws.written + T, [&](std::int32_t x, std::int32_t y) {
         const std::int64_t kx = slot_key(a, x), ky = slot_key(a, y);
@@ -569,7 +576,7 @@ struct backend_ops_compressor {
   static void check_rounding(Lane& z, const kernels::CompressorArgs& a, index_t b, index_t c) {
     if (!checking(*z.be, a)) return;
     const index_t HD = a.spec.head_dim, OUT = a.spec.out_dim(), S = a.meta.shape.seq;
-    const index_t D = a.cfg->hidden, R = a.spec.ratio, ld = a.state_pool.stride(0);
+    const index_t R = a.spec.ratio, ld = a.state_pool.stride(0);
     const Ws& ws = z.ws;
     std::uint32_t inf = 0;  // y's largest exponent field, every value at once (it vectorizes)
     for (index_t i = 0; i < HD; ++i)
@@ -589,9 +596,8 @@ struct backend_ops_compressor {
       if (t < 0) continue;  // an input of the step
       float* row = a.state_pool.data() + rows[j] * ld;
       const index_t off = kv[j] - row;
-      const float ax =  // 2^-24 · max_k |x_n[t, k]|
-          0x1p-24f * rounding_check::bf16_abs_max(I, &a.x_n(t, 0), D);
-      wr[nw] = {kv[j], sc[j], nk + off, nk + OUT + off, &a.w.ape(a.meta.positions(t) % R, off), ax};
+      const float* ape = &a.w.ape(a.meta.positions(t) % R, off);
+      wr[nw] = {kv[j], sc[j], nk + off, nk + OUT + off, ape, ws.ax[t]};
       wc[nw] = {t, row, off};
       ++nw;
       first = std::min(first, j);
