@@ -12,6 +12,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <thread>
@@ -511,6 +512,71 @@ TEST(Isa, NamesRoundTrip) {
   } catch (const td::Error& e) {
     EXPECT_NE(std::string(e.what()).find("allowed scalar, avx2, avx2_vnni, avx512"),
               std::string::npos);
+  }
+}
+
+// The compressor's request lanes (backend/cpu/lane_crew.hpp): L lanes as tasks of an executor,
+// each running stages of tasks on its own lane executor while finished lanes help. Every task runs
+// once, a lane sees all of its stage's outputs when the stage returns, on any executor (a pool of
+// 1, 2, 3 or 7 threads, the serial one), with stages of 1 to 300 tasks and a heavy lane 0; a stage
+// started from inside one of its own tasks runs inline.
+TEST(LaneCrew, EveryTaskOnceAndEachStageCompleteWhenItReturns) {
+  constexpr int kStages = 3;
+  const auto tasks_of = [](int lane, int stage) {
+    return lane == 0 ? 300 : 1 + (lane + stage) % 4;
+  };
+  td::SerialExecutor serial;
+  for (std::size_t threads : {0u, 1u, 2u, 3u, 7u}) {
+    std::unique_ptr<td::ThreadPool> pool;
+    if (threads > 0) pool = std::make_unique<td::ThreadPool>(threads);
+    td::Executor& ex = pool ? static_cast<td::Executor&>(*pool) : serial;
+    within_seconds(120, [&] {
+      for (int lanes = 1; lanes <= td::cpu::LaneCrew::kMaxLanes; ++lanes) {
+        for (int rep = 0; rep < 4; ++rep) {
+          std::vector<std::vector<std::vector<std::atomic<int>>>> hits(lanes);
+          std::vector<std::vector<std::vector<std::int64_t>>> out(lanes);
+          for (int l = 0; l < lanes; ++l) {
+            hits[l] = std::vector<std::vector<std::atomic<int>>>(kStages);
+            out[l].resize(kStages);
+            for (int s = 0; s < kStages; ++s) {
+              hits[l][s] = std::vector<std::atomic<int>>(tasks_of(l, s));
+              out[l][s].assign(tasks_of(l, s), -1);
+            }
+          }
+          std::vector<int> complete(lanes, 0);
+          td::cpu::LaneCrew crew{lanes};
+          td::parallel_for(ex, 0, lanes, 1, [&](std::int64_t l) {
+            crew.start();
+            for (int s = 0; s < kStages; ++s) {
+              const int n = tasks_of(int(l), s);
+              td::parallel_for(*crew.lane(int(l)), 0, n, 1, [&](std::int64_t k) {
+                hits[l][s][k].fetch_add(1);
+                std::int64_t v = k;  // some work, heavier on lane 0
+                for (int r = 0; r < (l == 0 ? 2000 : 10); ++r) v = (v * 1103515245 + 12345) % 65536;
+                volatile std::int64_t sink = v;
+                (void)sink;
+                out[l][s][k] = k + 1000 * (s + 1);
+                if (k == 0) {  // a nested stage on the same lane: inline, every index once
+                  std::atomic<int> inner{0};
+                  td::parallel_for(*crew.lane(int(l)), 0, 5, 1,
+                                   [&](std::int64_t) { inner.fetch_add(1); });
+                  EXPECT_EQ(inner.load(), 5);
+                }
+              });
+              bool all = true;  // the stage's outputs, read by the lane when it returns
+              for (int k = 0; k < n; ++k) all &= out[l][s][k] == k + 1000 * (s + 1);
+              complete[l] += all;
+            }
+            crew.finish_and_help();
+          });
+          for (int l = 0; l < lanes; ++l) {
+            EXPECT_EQ(complete[l], kStages) << "threads " << threads << " lane " << l;
+            for (int s = 0; s < kStages; ++s)
+              for (auto& h : hits[l][s]) ASSERT_EQ(h.load(), 1) << "threads " << threads;
+          }
+        }
+      }
+    });
   }
 }
 

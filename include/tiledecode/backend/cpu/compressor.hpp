@@ -10,7 +10,8 @@
 // the inner compressor sums in double too. Work is split by shape only (weight rows, channels),
 // each output has one fixed reduction order, so results are bit-identical for any thread count.
 // On more than one thread, requests whose tails touch nothing another request writes run on
-// lanes at once (for_requests; whether they do changes no bit: they share no memory they write).
+// lanes at once, and threads whose lanes are done help the others' stages (for_requests,
+// lane_crew.hpp; whether they do changes no bit: they share no memory they write).
 // The scalar twins below follow the vector micro-kernels' operations exactly (the projections: 8
 // lanes, ascending k, the AVX2 horizontal-sum tree; the pooling: the same double operations per
 // channel; the candidate order), so every tier gives the same bits.
@@ -29,6 +30,7 @@
 #include "tiledecode/backend/cpu/compressor_avx2.hpp"
 #include "tiledecode/backend/cpu/compressor_avx512.hpp"
 #include "tiledecode/backend/cpu/compressor_check.hpp"
+#include "tiledecode/backend/cpu/lane_crew.hpp"
 #include "tiledecode/backend/cpu/rounding_check.hpp"
 #include "tiledecode/core/bf16.hpp"
 #include "tiledecode/core/quant.hpp"
@@ -259,7 +261,8 @@ struct backend_ops_compressor {
   struct Lane {
     const Cpu<I>* be;
     Ws ws;
-    double r = 0.0;  // the last norm_rope's RMS factor
+    LaneCrew* crew = nullptr;  // the lanes' crew (for_requests), where the tails run on lanes
+    double r = 0.0;            // the last norm_rope's RMS factor
     // The first candidate after the sums the last pool kept in ws.pre (-1: none kept).
     int pre_j = -1;
   };
@@ -267,10 +270,14 @@ struct backend_ops_compressor {
   // cache slot that another one writes (independent: the fixtures' aliased pools, spec §3.8),
   // in order on the calling thread, each pooling parallel over channel blocks. Otherwise on
   // min(B, kCompressorLanes) lanes at once (tasks; lane i takes requests i, i + L, ...), each with
-  // its own rows of the workspace, its stages inline on its thread: the requests read and write
-  // disjoint memory, so the order does not matter and the bits are the serial run's.
+  // its own rows of the workspace: the requests read and write disjoint memory, so the order does
+  // not matter and the bits are the serial run's. A lane's stages (the pooling's channel blocks,
+  // the check's repairs: a full repair's row blocks, and the listed rows' dots in two halves where
+  // a helper waits) are tasks of its LaneCrew executor, which the threads whose lanes are done
+  // help with (lane_crew.hpp; which thread runs a task changes no bit).
   template <class Body>
   static void for_requests(const Cpu<I>& be, const kernels::CompressorArgs& a, Body&& body) {
+    static_assert(kernels::detail::kCompressorLanes <= LaneCrew::kMaxLanes);
     const index_t B = a.meta.shape.batch;
     const index_t L = std::min(B, kernels::detail::kCompressorLanes);
     if (L < 2 || be.concurrency() < 2 || !independent(a)) {
@@ -278,10 +285,13 @@ struct backend_ops_compressor {
       for (index_t b = 0; b < B; ++b) body(lane, b);
       return;
     }
-    const Cpu<I> inline_be{nullptr, be.bf16_dot};
+    LaneCrew crew{int(L)};
     be.tasks(L, [&](std::int64_t i) {
-      Lane lane{&inline_be, ws_of(a, i)};
+      crew.start();
+      const Cpu<I> lane_be{crew.lane(int(i)), be.bf16_dot};
+      Lane lane{&lane_be, ws_of(a, i), &crew};
       for (index_t b = i; b < B; b += L) body(lane, b);
+      crew.finish_and_help();
     });
   }
   // Whether no state block that a request writes in this step (state_slot_mapping, block = slot /
@@ -617,7 +627,7 @@ struct backend_ops_compressor {
     // that hold them are pooled again (pool_block: every tier's bits; the other channels' values
     // do not move) and y follows.
     const auto repair = [&](const int* parts, int m) {
-      repair_parts(a, xw, wc, nw, parts, m);
+      repair_parts(z, a, xw, wc, nw, parts, m);
       index_t blocks[2 * kMaxChannels];
       int nb = 0;
       for (int i = 0; i < m; ++i) {
@@ -812,7 +822,7 @@ struct backend_ops_compressor {
   // tokens go through them together: bf16_rows_gather_dots_rounded (golden's sums rounded to
   // FP32, certified in a faster order with the rows' norms; x widened from x32, the FP32 copy of
   // x_n, where there is one), the rows read once per kFewTok tokens.
-  static void repair_parts(const kernels::CompressorArgs& a, const float* x32,
+  static void repair_parts(const Lane& z, const kernels::CompressorArgs& a, const float* x32,
                            const WrittenCand* wc, int nw, const int* parts, int np) {
     constexpr int kRows = 2 * std::max(kMaxChannels, kRhoBatch), kTok = kFewTok;
     const index_t D = a.cfg->hidden, OUT = a.spec.out_dim(), HD = a.spec.head_dim;
@@ -834,8 +844,14 @@ struct backend_ops_compressor {
       }
       int m = 0;
       const auto flush = [&] {
-        bf16_rows_gather_dots_rounded(I, m, xs, np, rows, norms, D, s[0], kRows,
-                                      x32 ? xf : nullptr);
+        // In two halves of the rows where another thread helps the lanes (the same bits: each
+        // row's dots are the row's own).
+        const int h = np >= 2 && z.crew && z.crew->helping() ? 2 : 1;
+        z.be->tasks(h, [&](std::int64_t i) {
+          const int r0 = int(i) * np / h, r1 = (int(i) + 1) * np / h;
+          bf16_rows_gather_dots_rounded(I, m, xs, r1 - r0, rows + r0, norms + r0, D, s[0] + r0,
+                                        kRows, x32 ? xf : nullptr);
+        });
         for (int u = 0; u < m; ++u) {
           const WrittenCand& w = *who[u];
           const float* ape = &a.w.ape(a.meta.positions(w.t) % a.spec.ratio, off);
