@@ -267,7 +267,7 @@ class Weights:
     checks' weight norms (wq_a's and wkv's columns, wo_a's rows: the q-latent, kv and o-proj
     checks, always on, as ops.qkv_wq_a_norms, ops.qkv_wkv_norms and
     ops.output_projection_row_norms make them). compressor_check=True also turns on the
-    compressors' rounding check (opt-in: it costs about 4-6 % of a compressor on one thread;
+    compressors' rounding check (opt-in: it costs about 4-7 % of a compressor on AMD Zen 3;
     docs/compressors.md), the row norms of ops.compressor_row_norms. Re-create it if the weight
     values change in place."""
 

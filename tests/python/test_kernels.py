@@ -80,32 +80,35 @@ def test_qkv_projection(family, request):
 
 
 def test_kv_check_reaches_the_layer_step():
-    """The Weights' kv rounding check is what the layer step runs: at this seed one kv value of
-    the step differs between the check (wkv_norm) and the plain FP32 dots, and the step's kv is
-    the checked one."""
+    """The Weights' kv rounding check is what the layer step runs: at the first seed from 31 where
+    the checked dots (wkv_norm) and the plain FP32 dots give a different kv (31 itself here: one
+    value; one seed in about 15 flips one), the step's kv is the checked one."""
     from conftest import Layer
-    L = Layer(td.SWA, seed=31)
-    c = L.cfg
-    wkv_norm = torch.empty(c.head_dim)
-    ops.qkv_wkv_norms(wkv_norm, L.w["wkv"])
-    got = {}
-    for kn in (wkv_norm, None):
-        q = torch.empty(L.T, c.n_heads, c.head_dim, dtype=torch.bfloat16)
-        kv = torch.empty(L.T, c.head_dim, dtype=torch.bfloat16)
-        qr = torch.empty(L.T, c.q_lora, dtype=torch.int8)
-        qr_scale = torch.empty(L.T)
-        ops.qkv_projection(q, kv, qr, qr_scale, L.v["x_n"], L.w["wq_a"], L.w["gamma_cq"],
-                           L.w["wq_b"], L.w["wq_b_scale"], L.w["wkv"], L.w["gamma_ckv"], *L.rope,
-                           L.meta["position_ids"], str(c), None, kn)
-        got[kn is None] = kv
-    assert (got[False] != got[True]).sum().item() == 1
-    assert torch.equal(L.v["kv"], got[False])
+    for seed in range(31, 91):
+        L = Layer(td.SWA, seed=seed)
+        c = L.cfg
+        wkv_norm = torch.empty(c.head_dim)
+        ops.qkv_wkv_norms(wkv_norm, L.w["wkv"])
+        got = {}
+        for kn in (wkv_norm, None):
+            q = torch.empty(L.T, c.n_heads, c.head_dim, dtype=torch.bfloat16)
+            kv = torch.empty(L.T, c.head_dim, dtype=torch.bfloat16)
+            qr = torch.empty(L.T, c.q_lora, dtype=torch.int8)
+            qr_scale = torch.empty(L.T)
+            ops.qkv_projection(q, kv, qr, qr_scale, L.v["x_n"], L.w["wq_a"], L.w["gamma_cq"],
+                               L.w["wq_b"], L.w["wq_b_scale"], L.w["wkv"], L.w["gamma_ckv"],
+                               *L.rope, L.meta["position_ids"], str(c), None, kn)
+            got[kn is None] = kv
+        if not torch.equal(got[False], got[True]):
+            assert torch.equal(L.v["kv"], got[False]), seed
+            return
+    pytest.fail("no seed in [31, 91) where the kv check changes a kv value")
 
 
 def test_compressor_check_reaches_the_layer_step(csa, csa_checked, hca, hca_checked):
     """td.Weights(compressor_check=True) is what the layer step runs (test_compressor and
     test_indexer_compressor: its pools equal the ops' given row_norms): at these fixtures the
-    check repairs state values, so its pools differ from the unchecked step's."""
+    check repairs state values (seed 7), so its pools differ from the unchecked step's."""
     assert csa_checked.W.compressor_check and not csa.W.compressor_check
     for plain, checked in ((csa, csa_checked), (hca, hca_checked)):
         assert not torch.equal(plain.caches["state"], checked.caches["state"])

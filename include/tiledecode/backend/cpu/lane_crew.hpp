@@ -43,7 +43,8 @@ class LaneCrew {
   // other lanes' posted tasks until every lane is done.
   void finish_and_help() {
     finished_.fetch_add(1, std::memory_order_acq_rel);
-    if (started_.load(std::memory_order_acquire) < lanes_) return;  // the executor's next task
+    // A lane not started yet: back to the executor, whose next task on this thread may be it.
+    if (started_.load(std::memory_order_acquire) < lanes_) return;
     helpers_.fetch_add(1, std::memory_order_relaxed);
     for (int rounds = 0; finished_.load(std::memory_order_acquire) < lanes_;) {
       if (take_one())
@@ -71,7 +72,7 @@ class LaneCrew {
   static std::uint64_t n_of(std::uint64_t s) { return (s >> 16) & kMaxTasks; }
 
   // Claims task i < n of the slot's current stage (a CAS on its state, so a stale generation
-  // claims nothing): returns i, or n where every task is claimed.
+  // claims nothing): returns i, or ~0 where every task is claimed (or none is posted).
   static std::uint64_t claim(Slot& s) {
     std::uint64_t st = s.state.load(std::memory_order_acquire);
     while (next_of(st) < n_of(st))
