@@ -498,11 +498,11 @@ struct backend_ops_compressor {
   // channel (ws.mx, ws.ls), so the bound costs an exp per written candidate and channel only. The
   // repaired state values are golden's, and they stay in the pool. A row with a non-finite y is not
   // checked (its policy is the kernel's). Opt-in (CompressorWeights::row_norms): on steps that
-  // close windows, one thread, its cost is at the 5 % budget for CSA and HCA and over it for the
-  // inner compressor (Zen 3, AVX2, 2026-12-07: +3.8–4.5 %, +4.2–4.6 % and +5.7–5.9 % of the step
-  // in the check, over 17 draws of the live windows); on two threads the requests' tails run at
-  // once where they are independent (for_requests). Cost and rates: docs/compressors.md
-  // ("Rounding accuracy").
+  // close windows, one thread, its cost is under the 5 % budget for CSA and HCA and over it for
+  // the inner compressor (Zen 3, AVX2, 2026-12-07: +3.8 %, +4.3 % and +5.5 % of the step in the
+  // check, over 17 draws of the live windows); on two threads the requests' tails run at once
+  // where they are independent, on lanes that help each other (for_requests). Cost and rates:
+  // docs/compressors.md ("Rounding accuracy").
   static constexpr int kMaxChannels = 32;    // channel repairs per row; past that, every channel
   static constexpr int kRhoBatch = 16;       // channels per round of the repairs for ρ, at most
   static constexpr double kRhoMargin = 0.8;  // a round aims at this fraction of rho_clear's ρ
@@ -918,18 +918,15 @@ struct backend_ops_compressor {
       const bf16* rows[kExactTaskRows];
       for (index_t j = 0; j < n; ++j) rows[j] = &m(r.off + r0 + j, 0);
       const float* norms = &a.w.row_norms((gate ? OUT : 0) + r.off + r0);
-      for (index_t t0 = 0; t0 < r.nt; t0 += kFewTok) {
-        const int nt = int(std::min<index_t>(kFewTok, r.nt - t0));
-        const bf16* xs[kFewTok];
-        const float* xf[kFewTok];
-        for (int u = 0; u < nt; ++u) {
-          xs[u] = &a.x_n(r.t0 + t0 + u, 0);
-          xf[u] = xw ? xw + (r.t0 + t0 + u) * D : nullptr;
-        }
-        bf16_rows_gather_dots_rounded(I, nt, xs, int(n), rows, norms, D,
-                                      proj + (r.t0 + t0) * SW + (gate ? OUT : 0) + r.off + r0, SW,
-                                      xw ? xf : nullptr);
+      const bf16* xs[2 * 128];  // the run's tokens (at most the candidates)
+      const float* xf[2 * 128];
+      for (index_t u = 0; u < r.nt; ++u) {
+        xs[u] = &a.x_n(r.t0 + u, 0);
+        xf[u] = xw ? xw + (r.t0 + u) * D : nullptr;
       }
+      bf16_rows_gather_dots_rounded(I, int(r.nt), xs, int(n), rows, norms, D,
+                                    proj + r.t0 * SW + (gate ? OUT : 0) + r.off + r0, SW,
+                                    xw ? xf : nullptr);
     });
     for (int k = 0; k < nr; ++k) {
       const Run& r = runs[k];
