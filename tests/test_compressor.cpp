@@ -461,9 +461,11 @@ TEST(CsaCompressor, RoundingCheckExpIsWithinItsBound) {
 // whose y sits within a few bounds of a BF16 rounding boundary, so that about half the values
 // are listed, with random bounds, ρ, norm_w and rotations. Then rows at the edges of list_row's
 // FP32 first pass (maybe_near, which must keep every value the double test lists): y at 0-3 times
-// its interval from a boundary; y just above a power of two (the boundary below is half as far
-// in FP32 steps' values) with intervals up to twice that distance; y below 2^-102 (exponent field
-// under 25, where the first pass keeps everything).
+// its interval from a boundary; y just above a power of two (the nearest boundary is then the
+// binade below's, 2^14 of y's FP32 ulps away where its own segment's is near 2^15) with
+// intervals up to twice that distance; y below 2^-102 (exponent field under 25, where the first
+// pass keeps everything). A first pass without its ulp to spare, or without the binade below,
+// fails it (run).
 TEST(CsaCompressor, RoundingCheckListingIsListBf16RowsOnEveryTier) {
   namespace cc = td::cpu::compressor_check;
   tdtest::Rng rng(41);

@@ -226,11 +226,11 @@ constexpr index_t ws_round(index_t n) {
 // writes run on up to this many lanes at once, each with its own part of the workspace.
 inline constexpr index_t kCompressorLanes = 8;
 // One lane's part (floats): the pooled, y, z, y_lo, softmax max and sum rows and the listing's
-// flags (head_dim each), the check's two bounds (2 head_dim each) and the pooling's kept sums (2
-// head_dim doubles).
+// flags (head_dim each), the check's two bounds (2 head_dim each), the pooling's kept sums (2
+// head_dim doubles) and the repairs' flags (2 head_dim bytes).
 constexpr index_t compressor_lane_size(const CompressorSpec& spec) {
   return 7 * ws_round(spec.head_dim) + 2 * ws_round(2 * spec.head_dim) +
-         ws_round(4 * spec.head_dim);
+         ws_round(4 * spec.head_dim) + ws_round(spec.head_dim / 2);
 }
 // Entries (two INT64 each) of the lanes' independence test: per token its state block written, its
 // cache slot written and the state pages its window reads (window positions in a row: at most

@@ -112,6 +112,7 @@ struct CompressorWorkspace {
   double* pre;      // (2 head_dim) the rounding check: the AVX2 pooling's sums before the written
                     // candidates (avx2::compressor_pool_resume)
   std::int32_t* hit;      // (head_dim) the rounding check: the listing's flags per value
+  std::uint8_t* fixed;    // (2 head_dim) the rounding check: the parts repaired in this window
   std::int64_t* keys;     // (T) the rounding check: the state slot of written[i] (unmapped last)
   std::int32_t* written;  // (T) the rounding check: tokens sorted by (state slot, t)
   float* ax;              // (T) the rounding check: 2^-24 · max_k |x_n[t, k]|, each token's
@@ -143,6 +144,7 @@ inline CompressorWorkspace carve_workspace(const ModelConfig& cfg, const Compres
   w.bound = reinterpret_cast<float*>(w.hit) + ws_round(HD);
   w.bound_r = w.bound + ws_round(2 * HD);
   w.pre = reinterpret_cast<double*>(w.bound_r + ws_round(2 * HD));
+  w.fixed = reinterpret_cast<std::uint8_t*>(reinterpret_cast<float*>(w.pre) + ws_round(4 * HD));
   return w;
 }
 
@@ -272,9 +274,9 @@ struct backend_ops_compressor {
   // min(B, kCompressorLanes) lanes at once (tasks; lane i takes requests i, i + L, ...), each with
   // its own rows of the workspace: the requests read and write disjoint memory, so the order does
   // not matter and the bits are the serial run's. A lane's stages (the pooling's channel blocks,
-  // the check's repairs: a full repair's row blocks, and the listed rows' dots in two halves where
-  // a helper waits) are tasks of its LaneCrew executor, which the threads whose lanes are done
-  // help with (lane_crew.hpp; which thread runs a task changes no bit).
+  // the check's repairs: their rows' dots in two halves where a helper waits) are tasks of its
+  // LaneCrew executor, which the threads whose lanes are done help with (lane_crew.hpp; which
+  // thread runs a task changes no bit).
   template <class Body>
   static void for_requests(const Cpu<I>& be, const kernels::CompressorArgs& a, Body&& body) {
     static_assert(kernels::detail::kCompressorLanes <= LaneCrew::kMaxLanes);
@@ -488,24 +490,28 @@ struct backend_ops_compressor {
   // boundary), listed again after each, up to half the parts. Then, while a value is still listed
   // (ρ: golden's r needs more channels), rounds of up to kRhoBatch channels, a listed one not yet
   // repaired first, then the largest shares of ρ's sum of squares (next_channels), as many as
-  // rho_clear's target needs, each round listed again, up to half the parts; past that, every
-  // channel of every written candidate (repair_rows: a pass over the half's weight rows per run of
-  // consecutive tokens), and the row is pooled again. A part reads one weight row (the full
-  // repair: all 2 · head_dim of the half), so the steps save what they leave out: on
-  // bench_compressor's live windows (17 draws) 0-0.2 % of CSA rows, 0.1 % of HCA's and 0.45 % of
-  // inner's went past them (4.7 % of CSA rows took all 512 channels before the rounds;
-  // docs/compressors.md). The pooling hands the check its softmax max and weight sum per
-  // channel (ws.mx, ws.ls), so the bound costs an exp per written candidate and channel only. The
-  // repaired state values are golden's, and they stay in the pool. A row with a non-finite y is not
-  // checked (its policy is the kernel's). Opt-in (CompressorWeights::row_norms): on steps that
-  // close windows, one thread, its cost is under the 5 % budget for CSA and HCA and over it for
-  // the inner compressor (Zen 3, AVX2, 2026-12-07: +3.8 %, +4.3 % and +5.5 % of the step in the
-  // check, over 17 draws of the live windows); on two threads the requests' tails run at once
-  // where they are independent, on lanes that help each other (for_requests). Cost and rates:
+  // rho_clear's target needs, each round listed again, until none is listed or every part is
+  // repaired. Where more than kMaxChannels channels are listed, or one still is then, every part
+  // not yet repaired of every written candidate (repair_rest), and the row is pooled again. A
+  // part reads one weight row and no part is read twice, so the steps save what they leave out:
+  // on bench_compressor's live windows (17 draws, 1088 steps each) no CSA, HCA or inner row
+  // needed every part (when the rounds for ρ stopped at half the parts and a full repair read
+  // all of them, 0.4 % of inner's rows and 0.1 % of HCA's went that way: docs/compressors.md).
+  // The pooling hands the check its softmax max and weight sum per channel (ws.mx, ws.ls), so
+  // the bound costs an exp per written candidate and channel only. The repaired state values are
+  // golden's, and they stay in the pool. A row with a non-finite y is not checked (its policy is
+  // the kernel's). Opt-in (CompressorWeights::row_norms): on steps that close windows, one
+  // thread, its cost is under the 5 % budget for CSA and HCA and at it for the inner compressor
+  // (Zen 3, AVX2, 2026-12-07, fifteenth session: +3.7 %, +4.2 % and +5.0 % of the step in the
+  // check, over 17 draws of the live windows); on two threads the requests' tails run at once where
+  // they are independent, on lanes that help each other (for_requests). Cost and rates:
   // docs/compressors.md ("Rounding accuracy").
-  static constexpr int kMaxChannels = 32;    // channel repairs per row; past that, every channel
+  static constexpr int kMaxChannels = 32;    // listed channels per row; past that, every part
   static constexpr int kRhoBatch = 16;       // channels per round of the repairs for ρ, at most
   static constexpr double kRhoMargin = 0.8;  // a round aims at this fraction of rho_clear's ρ
+  // Parts per repair_parts call, at most (a round's: a part per listed channel and kind, or two
+  // per ρ channel).
+  static constexpr int kRepairRows = 2 * std::max(kMaxChannels, kRhoBatch);
 
   static bool checking(const Cpu<I>& be, const kernels::CompressorArgs& a) {
     return kernels::detail::view_given(a.w.row_norms.size(), a.w.row_norms.data()) &&
@@ -623,9 +629,10 @@ struct backend_ops_compressor {
     double rho = 0.0;
     int nch = listed_channels(z, a, rope_pos, ch, &rho);
     if (nch == 0) return;
-    // Golden's state values of parts[0 .. m): their bounds become 0, the blocks of 8 channels
-    // that hold them are pooled again (pool_block: every tier's bits; the other channels' values
-    // do not move) and y follows.
+    std::fill_n(ws.fixed, 2 * HD, std::uint8_t{0});
+    // Golden's state values of parts[0 .. m): their bounds become 0 (and they are fixed), the
+    // blocks of 8 channels that hold them are pooled again (pool_block: every tier's bits; the
+    // other channels' values do not move) and y follows.
     const auto repair = [&](const int* parts, int m) {
       repair_parts(z, a, xw, wc, nw, parts, m);
       index_t blocks[2 * kMaxChannels];
@@ -634,6 +641,7 @@ struct backend_ops_compressor {
         const index_t blk = (parts[i] % HD) / 8;
         ws.bound[parts[i]] = 0.0f;
         ws.bound_r[parts[i]] = 0.0f;
+        ws.fixed[parts[i]] = 1;
         if (std::find(blocks, blocks + nb, blk) == blocks + nb) {
           blocks[nb++] = blk;
           if (!(resume && resume_block(kv, sc, n, ws, 8 * blk, z.pre_j)))
@@ -653,9 +661,9 @@ struct backend_ops_compressor {
     // Still listed: ρ, golden's r needs more channels. The largest shares of ρ's sum of squares
     // first (with any listed channel not yet repaired), as many as bring ρ under kRhoMargin of the
     // ρ at which the listed values clear (rho_clear; ρ is the root of that sum over a
-    // denominator the repairs barely move), at most kRhoBatch a round, while that costs less than
-    // every channel (repair_rows reads the same rows, all 2 · head_dim of the half, in one pass).
-    while (nch > 0 && nch <= kMaxChannels && done + 2 * kRhoBatch <= HD) {
+    // denominator the repairs barely move), at most kRhoBatch a round, until none is listed or
+    // every part is repaired (a round reads its own rows only: nothing is read again later).
+    while (nch > 0 && nch <= kMaxChannels && done < 2 * HD) {
       int next[kRhoBatch], m = 0;
       const double clear = kRhoMargin * rho_clear(z, a, rope_pos, ch, nch, rho) / rho;
       const int k = next_channels(ws, HD, ch, nch, next, clear * clear);
@@ -669,7 +677,7 @@ struct backend_ops_compressor {
       nch = listed_channels(z, a, rope_pos, ch, &rho);
     }
     if (nch == 0) return;
-    repair_rows(z, a, wc, nw);
+    repair_rest(z, a, xw, wc, nw);
     pool(z, a, b, c);
     norm_rope(z, a, rope_pos);
   }
@@ -824,7 +832,7 @@ struct backend_ops_compressor {
   // x_n, where there is one), the rows read once per kFewTok tokens.
   static void repair_parts(const Lane& z, const kernels::CompressorArgs& a, const float* x32,
                            const WrittenCand* wc, int nw, const int* parts, int np) {
-    constexpr int kRows = 2 * std::max(kMaxChannels, kRhoBatch), kTok = kFewTok;
+    constexpr int kRows = kRepairRows, kTok = kFewTok;
     const index_t D = a.cfg->hidden, OUT = a.spec.out_dim(), HD = a.spec.head_dim;
     const bf16* rows[kRows] = {};
     float norms[kRows] = {};
@@ -844,9 +852,11 @@ struct backend_ops_compressor {
       }
       int m = 0;
       const auto flush = [&] {
-        // In two halves of the rows where another thread helps the lanes (the same bits: each
-        // row's dots are the row's own).
-        const int h = np >= 2 && z.crew && z.crew->helping() ? 2 : 1;
+        // The rows in parts that threads run at once (the same bits: each row's dots are the
+        // row's own): two halves where another thread helps the lanes; without lanes, a part per
+        // 16 rows, up to the executor's threads.
+        const int h = z.crew ? (np >= 2 && z.crew->helping() ? 2 : 1)
+                             : int(std::clamp<index_t>(np / 16, 1, index_t(z.be->concurrency())));
         z.be->tasks(h, [&](std::int64_t i) {
           const int r0 = int(i) * np / h, r1 = (int(i) + 1) * np / h;
           bf16_rows_gather_dots_rounded(I, m, xs, r1 - r0, rows + r0, norms + r0, D, s[0] + r0,
@@ -877,71 +887,23 @@ struct backend_ops_compressor {
     }
   }
 
-  // Golden's state values of every channel of every written candidate (its half: kv and score):
-  // the candidates' tokens in runs of consecutive tokens on one half, each run one pass over the
-  // half's weight rows (bf16_rows_gather_dots_rounded, as repair_parts: golden's sums rounded to
-  // FP32, certified, x widened from x32 where there is one; into the tokens' proj rows, the rows
-  // read once per kFewTok tokens of the run), then + ape and copied into the state rows. Zen 3,
-  // inner compressor, two tokens: 2.7k cycles a weight row in golden's order (bf16_rows_dot_exact,
-  // before), 1.7k here (counted in the kernel, the re-pooling included).
-  static void repair_rows(const Lane& z, const kernels::CompressorArgs& a, const WrittenCand* wc,
-                          int nw) {
-    const index_t D = a.cfg->hidden, OUT = a.spec.out_dim(), HD = a.spec.head_dim;
-    const index_t SW = a.spec.state_width();
-    int ord[2 * 128];
-    for (int q = 0; q < nw; ++q) ord[q] = q;
-    std::sort(ord, ord + nw, [&](int x, int y) {
-      return wc[x].off != wc[y].off ? wc[x].off < wc[y].off : wc[x].t < wc[y].t;
-    });
-    struct Run {
-      index_t off, t0, nt;
-    };
-    Run runs[2 * 128];
-    int nr = 0;
-    for (int k = 0; k < nw; ++k) {
-      const WrittenCand& w = wc[ord[k]];
-      Run* r = nr > 0 ? &runs[nr - 1] : nullptr;
-      if (r && r->off == w.off && w.t <= r->t0 + r->nt) {
-        if (w.t == r->t0 + r->nt) ++r->nt;  // else: the same token again (an aliased table)
-      } else {
-        runs[nr++] = {w.off, w.t, 1};
+  // Golden's state values of every part not yet fixed (ws.fixed) of every written candidate, so
+  // that all of them are golden's (every channel, kv and score, of its half): the parts through
+  // repair_parts, at most kRepairRows at a time. The parts the rounds repaired are not read again
+  // (inner compressor, Zen 3: the windows that got here had fixed about 100 of 256 parts first).
+  static void repair_rest(const Lane& z, const kernels::CompressorArgs& a, const float* x32,
+                          const WrittenCand* wc, int nw) {
+    const int HD = int(a.spec.head_dim);
+    int parts[kRepairRows], m = 0;
+    for (int p = 0; p < 2 * HD; ++p) {
+      if (z.ws.fixed[p]) continue;
+      parts[m++] = p;
+      if (m == kRepairRows) {
+        repair_parts(z, a, x32, wc, nw, parts, m);
+        m = 0;
       }
     }
-    const index_t blocks = (HD + kExactTaskRows - 1) / kExactTaskRows;
-    float* proj = z.ws.proj;
-    const float* xw = x32(*z.be, a);
-    z.be->tasks(std::int64_t(nr) * 2 * blocks, [&](std::int64_t i) {
-      const Run& r = runs[i / (2 * blocks)];
-      const bool gate = (i / blocks) % 2 == 1;
-      const index_t r0 = (i % blocks) * kExactTaskRows, n = std::min(kExactTaskRows, HD - r0);
-      const ConstView<bf16, 2>& m = gate ? a.w.wgate : a.w.wkv;
-      const bf16* rows[kExactTaskRows];
-      for (index_t j = 0; j < n; ++j) rows[j] = &m(r.off + r0 + j, 0);
-      const float* norms = &a.w.row_norms((gate ? OUT : 0) + r.off + r0);
-      const bf16* xs[2 * 128];  // the run's tokens (at most the candidates)
-      const float* xf[2 * 128];
-      for (index_t u = 0; u < r.nt; ++u) {
-        xs[u] = &a.x_n(r.t0 + u, 0);
-        xf[u] = xw ? xw + (r.t0 + u) * D : nullptr;
-      }
-      bf16_rows_gather_dots_rounded(I, int(r.nt), xs, int(n), rows, norms, D,
-                                    proj + r.t0 * SW + (gate ? OUT : 0) + r.off + r0, SW,
-                                    xw ? xf : nullptr);
-    });
-    for (int k = 0; k < nr; ++k) {
-      const Run& r = runs[k];
-      for (index_t t = r.t0; t < r.t0 + r.nt; ++t) {
-        float* g = proj + t * SW + OUT + r.off;
-        const float* ape = &a.w.ape(a.meta.positions(t) % a.spec.ratio, r.off);
-        for (index_t d = 0; d < HD; ++d) g[d] += ape[d];
-      }
-    }
-    for (int q = 0; q < nw; ++q) {
-      const float* src = proj + wc[q].t * SW + wc[q].off;
-      float* dst = wc[q].row + wc[q].off;
-      std::memcpy(dst, src, sizeof(float) * std::size_t(HD));
-      std::memcpy(dst + OUT, src + OUT, sizeof(float) * std::size_t(HD));
-    }
+    if (m > 0) repair_parts(z, a, x32, wc, nw, parts, m);
   }
   // Main: cmp_kv[slot] = bf16(y). Inner: y_bf = bf16(y), z = y_bf @ H, z_bf = bf16(z), Q8.
   static void emit(Lane& z, const kernels::CompressorArgs& a, index_t b, index_t, index_t slot) {

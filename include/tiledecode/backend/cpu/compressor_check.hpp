@@ -62,6 +62,36 @@ __attribute__((always_inline)) inline float exp_le0(float x) {
   return p * std::bit_cast<float>((i + 127) << 23);
 }
 
+// Candidate w's terms of the sums (First: the first candidate's, stored; else added).
+template <bool First>
+__attribute__((always_inline)) inline void pool_bound_candidate(float* __restrict bound,
+                                                                float* __restrict bound_r,
+                                                                const float* __restrict pooled,
+                                                                const float* __restrict mx,
+                                                                const Written& w, index_t hd) {
+  // Restrict-qualified copies: the loop below vectorizes (no alias checks between the outputs and
+  // the candidate's rows).
+  const float* __restrict kv = w.kv;
+  const float* __restrict score = w.score;
+  const float* __restrict nk = w.nk;
+  const float* __restrict ng = w.ng;
+  const float* __restrict ape = w.ape;
+  const float ax = kKappa * w.a, axr = kKappaR * w.a;
+  for (index_t d = 0; d < hd; ++d) {
+    const float e = exp_le0(score[d] - mx[d]);
+    const float rk = 0x1p-22f * std::fabs(kv[d]);
+    const float rg = 0x1p-22f * (std::fabs(score[d]) + std::fabs(ape[d]));
+    const float dk = std::fabs(kv[d] - pooled[d]);
+    const float b = e * (ax * nk[d] + rk), bg = e * (dk * (ax * ng[d] + rg));
+    const float br = e * (axr * nk[d] + rk), bgr = e * (dk * (axr * ng[d] + rg));
+    if constexpr (First) {
+      bound[d] = b, bound[hd + d] = bg, bound_r[d] = br, bound_r[hd + d] = bgr;
+    } else {
+      bound[d] += b, bound[hd + d] += bg, bound_r[d] += br, bound_r[hd + d] += bgr;
+    }
+  }
+}
+
 // The bound of channel d < hd in two parts, its kv values' and its scores': with w_j = e^(s_j -
 // m) / l the window's softmax weights of channel d (m = mx[d], the scores' largest, and l = ls[d]
 // = Σ_i e^(s_i - m): the pooling's own) and p = pooled[d],
@@ -73,35 +103,22 @@ __attribute__((always_inline)) inline float exp_le0(float x) {
 // the channel's bound. E is the dot's bound plus two FP32 roundings (the kernel's and golden's;
 // the score's sum with ape is rounded again). bound_r: the same with κ_r for the RMS factor's
 // bound. bound and bound_r hold 2 hd values.
+// The sums over the candidates, then times kSlack / ls[d] (one division a channel, its rounding
+// far inside kSlack; Zen 3, 128 channels, two candidates: 540 cycles, 860 from a zeroed start
+// with two divisions a value).
 __attribute__((always_inline)) inline void pool_bound_body(
     float* __restrict bound, float* __restrict bound_r, const float* __restrict pooled,
     const float* __restrict mx, const float* __restrict ls, const Written* wr, int nw, index_t hd) {
-  for (index_t d = 0; d < 2 * hd; ++d) bound[d] = 0.0f, bound_r[d] = 0.0f;
-  for (int j = 0; j < nw; ++j) {
-    // Restrict-qualified copies: the loop below vectorizes (no alias checks between the outputs
-    // and the candidate's rows).
-    const float* __restrict kv = wr[j].kv;
-    const float* __restrict score = wr[j].score;
-    const float* __restrict nk = wr[j].nk;
-    const float* __restrict ng = wr[j].ng;
-    const float* __restrict ape = wr[j].ape;
-    const float ax = kKappa * wr[j].a, axr = kKappaR * wr[j].a;
-    for (index_t d = 0; d < hd; ++d) {
-      const float e = exp_le0(score[d] - mx[d]);
-      const float rk = 0x1p-22f * std::fabs(kv[d]);
-      const float rg = 0x1p-22f * (std::fabs(score[d]) + std::fabs(ape[d]));
-      const float dk = std::fabs(kv[d] - pooled[d]);
-      bound[d] += e * (ax * nk[d] + rk);
-      bound[hd + d] += e * (dk * (ax * ng[d] + rg));
-      bound_r[d] += e * (axr * nk[d] + rk);
-      bound_r[hd + d] += e * (dk * (axr * ng[d] + rg));
-    }
+  if (nw == 0) {
+    for (index_t d = 0; d < 2 * hd; ++d) bound[d] = 0.0f, bound_r[d] = 0.0f;
+    return;
   }
-  for (int h = 0; h < 2; ++h)  // the two parts apart: ls[d] without a remainder, so it vectorizes
-    for (index_t d = 0; d < hd; ++d) {
-      bound[h * hd + d] = bound[h * hd + d] / ls[d] * kSlack;
-      bound_r[h * hd + d] = bound_r[h * hd + d] / ls[d] * kSlack;
-    }
+  pool_bound_candidate<true>(bound, bound_r, pooled, mx, wr[0], hd);
+  for (int j = 1; j < nw; ++j) pool_bound_candidate<false>(bound, bound_r, pooled, mx, wr[j], hd);
+  for (index_t d = 0; d < hd; ++d) {
+    const float s = kSlack / ls[d];
+    bound[d] *= s, bound[hd + d] *= s, bound_r[d] *= s, bound_r[hd + d] *= s;
+  }
 }
 
 #if TILEDECODE_X86
@@ -149,22 +166,26 @@ __attribute__((always_inline)) inline std::int32_t pair_splits(double ye, double
   return rounding_check::bf16_splits_i(ye, nc * ue + ns * uo + std::fabs(ye) * 0x1p-40) |
          rounding_check::bf16_splits_i(yo, ns * ue + nc * uo + std::fabs(yo) * 0x1p-40);
 }
-// Whether a value whose FP32 y is yf may lie within w of a BF16 rounding boundary (w >= the
-// double test's interval half-width, yf within an FP32 ulp of the value): the cheap first pass of
-// list_row_body, in FP32 and integer operations that the tiers vectorize, and conservative. In a
-// binade of exponent field E, bf16(fp32(t)) changes only within an FP32 ulp of an FP32 value whose
-// low 16 bits are 0x8000; yf is dm = |low16(yf) − 0x8000| FP32 steps from the nearest such value
-// in its binade (one below it the steps only halve, and a binade further is 2^15 steps on), so
-// none lies within (dm − 4) · 2^(E − 151) of yf (E − 150: the FP32 ulp; two ulps for the change
-// point and the value). Not far (1) where that is not more than w, and for E < 25 (the step below
-// a float's range), E = 255 and a NaN w.
+// Whether a value v whose FP32 y is yf = float(v) may lie within W of a BF16 rounding boundary,
+// given w, W computed in FP32 (a few FP32 roundings: w >= W / (1 + 2^-20)): the cheap first pass
+// of list_row_body, in FP32 and integer operations that the tiers vectorize, and conservative.
+// bf16(fp32(t)) changes only where fp32(t) passes a BF16 midpoint M (an FP32 value whose low 16
+// bits are 0x8000), within half an FP32 ulp of M. In yf's binade (exponent field E, ulp 2^(E −
+// 150)) the M nearest yf in its 2^16-ulp segment is dm = |low16(yf) − 0x8000| ulps away; the next
+// ones are 2^15 ulps further, or, below the binade's first segment, at least 2^14 ulps of yf's
+// binade away (the binade below has half the ulp; above, twice). So every change point is at
+// least min(dm, 2^14) − 1/2 ulps from yf, and v (within half an ulp of yf) at least min(dm, 2^14)
+// − 1 from each: the double test (bf16_splits_i, its interval v ± W rounded in double, far inside
+// an ulp) lists v only where W reaches that. Not near (0) where (min(dm, 2^14) − 2) ulps exceed w
+// (1 + 2^-10) (an ulp and 2^-10 of w to spare); near (1) otherwise, for E < 25 (the ulp below a
+// float's normal range), E = 255 and a NaN w.
 __attribute__((always_inline)) inline std::int32_t maybe_near(float yf, float w) {
   const std::uint32_t u = std::bit_cast<std::uint32_t>(yf) & 0x7fffffffu;
   const std::int32_t e = std::int32_t(u >> 23);
-  const std::int32_t dm = std::abs(std::int32_t(u & 0xffffu) - 0x8000) - 4;
+  const std::int32_t dm = std::min(std::abs(std::int32_t(u & 0xffffu) - 0x8000), 0x4000) - 2;
   const std::int32_t ok = std::int32_t(e >= 25) & std::int32_t(e < 255);  // no branches: vectors
-  const float step = std::bit_cast<float>(std::uint32_t(std::max(e - 24, 1)) << 23);  // 2^(E − 151)
-  return 1 - (ok & std::int32_t(float(dm) * step > w));
+  const float ulp = std::bit_cast<float>(std::uint32_t(std::max(e - 23, 1)) << 23);  // 2^(E − 150)
+  return 1 - (ok & std::int32_t(float(dm) * ulp > w * (1.0f + 0x1p-10f)));
 }
 
 // hit[i] != 0 where value i of y (y + y_lo) is listed: own_i = |r · nw_i| · (b_i + b_{hd+i})
@@ -172,10 +193,12 @@ __attribute__((always_inline)) inline std::int32_t maybe_near(float yf, float w)
 // 2^-40) off the RoPE pairs; a pair (e, o) of the last rope values, rotated by |cos|, |sin| at
 // cs[k], sn[k]: U = own + u ρ each, |cos| U_e + |sin| U_o + 2^-40 |y_e| and |sin| U_e + |cos| U_o
 // + 2^-40 |y_o|, both values flagged where either splits. Two passes: maybe_near on the FP32 y
-// with twice Y in FP32 (its few FP32 roundings, each 2^-24 relative, and y + y_lo against y are
-// far inside that factor), which leaves a value or a pair of values in about 10^4 at the
-// compressors' statistics; the double test (bf16_splits_i) on those. Zen 3, 128 values (64 of
-// them RoPE pairs), none near a boundary: 580 cycles in the double test alone, 290 in both passes.
+// with Y in FP32 (its few FP32 roundings, each 2^-24 relative, are inside maybe_near's 2^-10), then
+// the double test (bf16_splits_i) on the values it keeps. Zen 3, 128 values (64 of them RoPE
+// pairs), none near a boundary: 580 cycles in the double test alone, 290 in both passes. On
+// bench_compressor's live inner windows the first pass keeps 1.56 values a listing where the double
+// test lists 1.37 (7.9 when it measured twice Y in half ulps): 310 + 280 cycles a listing for the
+// two passes (with the scan of the flags), from 360 + 570.
 __attribute__((always_inline)) inline void list_row_body(
     std::int32_t* __restrict hit, const float* __restrict y, const float* __restrict y_lo,
     const float* __restrict pooled, const float* __restrict plo, const float* __restrict bound,
@@ -185,7 +208,7 @@ __attribute__((always_inline)) inline void list_row_body(
   const float rf = float(r), rhof = float(rho) + 0x1p-40f;
   for (index_t i = 0; i < nope; ++i) {
     const float w = std::fabs(rf * nw[i]) * (bound[i] + bound[hd + i]) + std::fabs(y[i]) * rhof;
-    hit[i] = maybe_near(y[i], 2.0f * w);
+    hit[i] = maybe_near(y[i], w);
   }
   for (index_t k = 0; k < rope / 2; ++k) {
     const index_t e = nope + 2 * k, o = e + 1;
@@ -195,7 +218,7 @@ __attribute__((always_inline)) inline void list_row_body(
     const float uo = so * (bound[o] + bound[hd + o]) + std::fabs(pooled[o]) * so * rhof;
     const float we = nc * ue + ns * uo + std::fabs(y[e]) * 0x1p-40f;
     const float wo = ns * ue + nc * uo + std::fabs(y[o]) * 0x1p-40f;
-    const std::int32_t h = maybe_near(y[e], 2.0f * we) | maybe_near(y[o], 2.0f * wo);
+    const std::int32_t h = maybe_near(y[e], we) | maybe_near(y[o], wo);
     hit[e] = h;
     hit[o] = h;
   }
