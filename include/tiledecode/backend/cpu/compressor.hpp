@@ -889,8 +889,7 @@ struct backend_ops_compressor {
 
   // Golden's state values of every part not yet fixed (ws.fixed) of every written candidate, so
   // that all of them are golden's (every channel, kv and score, of its half): the parts through
-  // repair_parts, at most kRepairRows at a time. The parts the rounds repaired are not read again
-  // (inner compressor, Zen 3: the windows that got here had fixed about 100 of 256 parts first).
+  // repair_parts, at most kRepairRows at a time; the parts the rounds repaired are not read again.
   static void repair_rest(const Lane& z, const kernels::CompressorArgs& a, const float* x32,
                           const WrittenCand* wc, int nw) {
     const int HD = int(a.spec.head_dim);

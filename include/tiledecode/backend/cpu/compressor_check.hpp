@@ -171,14 +171,15 @@ __attribute__((always_inline)) inline std::int32_t pair_splits(double ye, double
 // of list_row_body, in FP32 and integer operations that the tiers vectorize, and conservative.
 // bf16(fp32(t)) changes only where fp32(t) passes a BF16 midpoint M (an FP32 value whose low 16
 // bits are 0x8000), within half an FP32 ulp of M. In yf's binade (exponent field E, ulp 2^(E −
-// 150)) the M nearest yf in its 2^16-ulp segment is dm = |low16(yf) − 0x8000| ulps away; the next
-// ones are 2^15 ulps further, or, below the binade's first segment, at least 2^14 ulps of yf's
-// binade away (the binade below has half the ulp; above, twice). So every change point is at
-// least min(dm, 2^14) − 1/2 ulps from yf, and v (within half an ulp of yf) at least min(dm, 2^14)
-// − 1 from each: the double test (bf16_splits_i, its interval v ± W rounded in double, far inside
-// an ulp) lists v only where W reaches that. Not near (0) where (min(dm, 2^14) − 2) ulps exceed w
-// (1 + 2^-10) (an ulp and 2^-10 of w to spare); near (1) otherwise, for E < 25 (the ulp below a
-// float's normal range), E = 255 and a NaN w.
+// 150)) the M in yf's 2^16-ulp segment is dm = |low16(yf) − 0x8000| ulps away, those of the
+// segments beside it at least 2^15 ulps, and the last M of the binade below (half the ulp), where
+// yf's segment is the binade's first, at least 2^14 (the binade above has twice the ulp). So
+// every change point is at least min(dm, 2^14) − 1/2 ulps from yf, and v (within half an ulp of
+// yf) at least min(dm, 2^14) − 1 from each: the double test (bf16_splits_i, its interval v ± W
+// rounded in double, far inside an ulp) lists v only where W reaches that. Not near (0) where
+// (min(dm, 2^14) − 2) ulps exceed w (1 + 2^-10) (an ulp, which also covers w's subnormal
+// roundings, and 2^-10 of w to spare); near (1) otherwise, for E < 25 (the ulp below a float's
+// normal range), E = 255 and a NaN w.
 __attribute__((always_inline)) inline std::int32_t maybe_near(float yf, float w) {
   const std::uint32_t u = std::bit_cast<std::uint32_t>(yf) & 0x7fffffffu;
   const std::int32_t e = std::int32_t(u >> 23);
