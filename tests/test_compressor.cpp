@@ -363,17 +363,24 @@ void check_case(const Options& o, int expected_emitted) {
 
 // --- CSA main compressor (ratio 4, overlapping) ----------------------------------------------
 
-// The rounding check's rounds for ρ pick their channels (backend_ops_compressor::next_channels):
-// the listed channels not yet repaired first, in their order and once each (a repaired channel's
-// bounds are 0: both parts, kv's and the scores', of both kinds), then the largest shares (p_d ·
-// (bound_r[d] + bound_r[HD + d]))², ties to the lower channel, skipping channels with no share
-// (repaired, p = 0, NaN), up to kRhoBatch in all; checked against a plain sort of the same
-// shares, with the listed channels filling part of a round, none, and all of it, and channels
-// with one part repaired (the other still counts).
-TEST(CsaCompressor, RoundingCheckRoundsForRhoPickTheLargestShares) {
+// The rounding check's rounds for ρ pick their parts (backend_ops_compressor::next_parts): the
+// listed channels' parts not yet repaired first, in their order and once each (a repaired part's
+// bounds are 0, of both kinds), then the other parts by what they remove of ρ's sum of squares,
+// Σ_d p_d² (b_k + b_s)² (b: bound_r, kv's and the scores'): a channel's larger part L, p_d² L (L +
+// 2S), its smaller one, p_d² S² (kv's part the larger on a tie; no part without a gain: repaired,
+// p = 0, NaN), ranked by buckets of an eighth of an octave below the largest share (the last
+// bucket everything past 16 octaves), channel order within a bucket; whole buckets while they fit
+// the round (kRhoParts in all) and leave more than keep of the sum, then the next bucket's parts
+// until keep is reached or the round is full, at least one part. Checked against that rule
+// written plainly (a stable sort), with the listed channels filling part of a round, none, and
+// all of it, channels with one part repaired (the other still counts), a channel whose kv bound
+// dwarfs its scores' (its kv part taken, its scores' part not), keep fractions that end inside a
+// bucket, and that a round reaches keep where its parts can.
+TEST(CsaCompressor, RoundingCheckRoundsForRhoPickTheLargestGains) {
   using Ops = td::cpu::backend_ops_compressor<td::cpu::Isa::scalar>;
-  constexpr int B = Ops::kRhoBatch, HD = 128;
+  constexpr int B = Ops::kRhoParts, HD = 128, NB = Ops::kGainBuckets;
   std::vector<float> pooled(HD), z(HD), bound(2 * HD), bound_r(2 * HD);
+  std::vector<std::int32_t> hit(HD, 7);  // next_parts' scratch (the listing's flags)
   tdtest::Rng rng(404);
   const auto at = [](int d) { return std::size_t(d); };
   for (int d = 0; d < HD; ++d) {
@@ -390,44 +397,143 @@ TEST(CsaCompressor, RoundingCheckRoundsForRhoPickTheLargestShares) {
   bound[at(HD + 60)] = bound_r[at(HD + 60)] = 0.0f;      // the scores repaired, kv not
   pooled[7] = z[7] = 0.0f;                               // no share
   pooled[11] = std::numeric_limits<float>::quiet_NaN();  // no share
-  pooled[20] = pooled[21] = 1.5f, z[20] = z[21] = 0.0f;  // a tie: 20 first
+  pooled[20] = pooled[21] = 1.5f, z[20] = z[21] = 0.0f;  // equal parts
   for (int d : {20, 21})
     for (int h : {0, HD}) bound[at(h + d)] = bound_r[at(h + d)] = 0.375e-6f;
+  pooled[30] = 2.0f, z[30] = 0.0f;  // kv's bound dwarfs the scores'
+  bound[30] = 4e-6f, bound_r[30] = 1e-6f;
+  bound[at(HD + 30)] = 4e-12f, bound_r[at(HD + 30)] = 1e-12f;
   td::kernels::detail::CompressorWorkspace ws{};
   ws.pooled = pooled.data(), ws.z = z.data(), ws.bound = bound.data(), ws.bound_r = bound_r.data();
-  const auto left = [&](int c) {
-    return bound[at(c)] != 0.0f || bound[at(HD + c)] != 0.0f || bound_r[at(c)] != 0.0f ||
-           bound_r[at(HD + c)] != 0.0f;
+  ws.hit = hit.data();
+  const auto has = [&](int p) { return bound[at(p)] != 0.0f || bound_r[at(p)] != 0.0f; };
+  const auto key = [](double g) { return std::int64_t(std::bit_cast<std::uint64_t>(g) >> 49); };
+  const auto listed_in = [](const std::vector<int>& ch, int d) {
+    return std::find(ch.begin(), ch.end(), d) != ch.end();
   };
-  const auto expected = [&](const std::vector<int>& ch) {
+  const auto expected = [&](const std::vector<int>& ch, double keep) {
     std::vector<int> e;
     for (int c : ch)
-      if (left(c) && std::find(e.begin(), e.end(), c) == e.end() && int(e.size()) < B)
-        e.push_back(c);
-    std::vector<std::pair<double, int>> rest;
+      for (int p : {c, c + HD})
+        if (has(p) && std::find(e.begin(), e.end(), p) == e.end()) e.push_back(p);
+    if (int(e.size()) >= B) return std::vector<int>(e.begin(), e.begin() + B);
+    const int cap = B - int(e.size());
+    const bool full = !(keep > 0.0);
+    double sum = 0.0, listed_share = 0.0, top = 0.0;
+    struct Item {
+      int bucket, part;
+      double gain;
+    };
+    std::vector<Item> items;  // channel order, the larger part first
     for (int d = 0; d < HD; ++d) {
-      const double p = (double(pooled[at(d)]) + double(z[at(d)])) *
-                       (double(bound_r[at(d)]) + double(bound_r[at(HD + d)]));
-      if (p * p > 0.0 && std::find(e.begin(), e.end(), d) == e.end()) rest.push_back({-p * p, d});
+      const double bk = bound_r[at(d)], bs = bound_r[at(HD + d)];
+      const double p = double(pooled[at(d)]) + double(z[at(d)]);
+      const double share = p * p * (bk + bs) * (bk + bs);
+      if (!(share > 0.0)) continue;  // 0, NaN
+      sum += share;
+      if (listed_in(ch, d)) listed_share += share;
+      if (share > top) top = share;
     }
-    std::sort(rest.begin(), rest.end());
-    for (std::size_t i = 0; i < rest.size() && int(e.size()) < B; ++i) e.push_back(rest[i].second);
+    for (int d = 0; d < HD; ++d) {
+      const double bk = bound_r[at(d)], bs = bound_r[at(HD + d)];
+      const double p = double(pooled[at(d)]) + double(z[at(d)]);
+      const bool kv = bk >= bs;
+      const double L = kv ? bk : bs, S = kv ? bs : bk;
+      if (listed_in(ch, d)) continue;
+      for (const auto& [gain, part] : {std::pair{p * p * L * (L + 2.0 * S), kv ? d : HD + d},
+                                       std::pair{p * p * S * S, kv ? HD + d : d}})
+        if (gain > 0.0)  // not 0, not NaN
+          items.push_back({int(std::min<std::int64_t>(key(top) - key(gain), NB - 1)), part, gain});
+    }
+    std::stable_sort(items.begin(), items.end(),
+                     [](const Item& x, const Item& y) { return x.bucket < y.bucket; });
+    double left = sum - listed_share;
+    const auto done = [&] { return !full && left <= keep * sum; };
+    std::size_t i = 0;
+    int taken = 0;
+    while (i < items.size()) {  // whole buckets
+      std::size_t j = i;
+      double gs = 0.0;
+      for (; j < items.size() && items[j].bucket == items[i].bucket; ++j) gs += items[j].gain;
+      if (taken + int(j - i) > cap || done() || (!full && left - gs <= keep * sum)) break;
+      taken += int(j - i);
+      left -= gs;
+      for (; i < j; ++i) e.push_back(items[i].part);
+    }
+    bool want = i < items.size() && (!done() || e.empty());
+    for (std::size_t j = i;
+         j < items.size() && items[j].bucket == items[i].bucket && want && taken < cap;
+         ++j, ++taken) {
+      e.push_back(items[j].part);
+      left -= items[j].gain;
+      want = !done();
+    }
     return e;
+  };
+  // The same parts: the listed ones first, in order; the rest as a set (next_parts lists them in
+  // channel order).
+  const auto canon = [&](std::vector<int> v, std::size_t listed) {
+    std::sort(v.begin() + std::ptrdiff_t(std::min(listed, v.size())), v.end(), [&](int x, int y) {
+      return std::pair{x % HD, x} < std::pair{y % HD, y};
+    });
+    return v;
   };
   std::vector<int> all(HD);
   for (int d = 0; d < HD; ++d) all[std::size_t(d)] = d;
   const std::vector<std::vector<int>> lists = {
-      {}, {5, 3, 5, 60}, {21, 9, 20}, std::vector<int>(all.begin() + 50, all.begin() + 50 + B)};
-  for (const auto& ch : lists) {
+      {},
+      {5, 3, 5, 60},
+      {21, 9, 20},
+      std::vector<int>(all.begin() + 50, all.begin() + 50 + B / 2),  // 63 parts (60's scores: none)
+      std::vector<int>(all.begin() + 82, all.begin() + 82 + B / 2)};  // the whole round
+  for (const auto& ch : lists)
+    for (double keep : {0.0, 0.97, 0.9, 0.75, 0.5, 0.3, 0.1, 1e-3, 1.0}) {
+      int next[B];
+      const int m = Ops::next_parts(ws, HD, ch.data(), int(ch.size()), next, keep);
+      const std::vector<int> want = expected(ch, keep);
+      std::vector<int> lp;  // the listed channels' parts
+      for (int c : ch)
+        for (int p : {c, c + HD})
+          if (has(p) && std::find(lp.begin(), lp.end(), p) == lp.end()) lp.push_back(p);
+      const std::size_t listed = lp.size();
+      EXPECT_EQ(canon(std::vector<int>(next, next + m), listed), canon(want, listed))
+          << "listed " << ch.size() << " keep " << keep;
+      if (ch.empty() && keep > 0.0 && m < B) {  // it stopped at keep: the parts reach it
+        double sum = 0.0, left = 0.0;
+        for (int d = 0; d < HD; ++d) {
+          const double p = double(pooled[at(d)]) + double(z[at(d)]);
+          const double b = double(bound_r[at(d)]) + double(bound_r[at(HD + d)]);
+          double bk = bound_r[at(d)], bs = bound_r[at(HD + d)];
+          if (std::find(next, next + m, d) != next + m) bk = 0.0;
+          if (std::find(next, next + m, HD + d) != next + m) bs = 0.0;
+          if (b == 0.0 || std::isnan(p)) continue;
+          sum += p * p * b * b;
+          left += p * p * (bk + bs) * (bk + bs);
+        }
+        EXPECT_LE(left, keep * sum * (1.0 + 1e-12)) << "keep " << keep;
+      }
+    }
+  {  // by hand: channel 30's kv part taken (its share dwarfs every other), its scores' part not;
+     // 20's and 21's larger parts taken; no part without a gain
     int next[B];
-    const int m = Ops::next_channels(ws, HD, ch.data(), int(ch.size()), next);
-    EXPECT_EQ(std::vector<int>(next, next + m), expected(ch)) << "listed " << ch.size();
+    const int m = Ops::next_parts(ws, HD, nullptr, 0, next);
+    ASSERT_EQ(m, B);
+    const auto pos = [&](int p) { return int(std::find(next, next + m, p) - next); };
+    EXPECT_LT(pos(30), m);
+    EXPECT_EQ(pos(HD + 30), m);
+    EXPECT_LT(pos(20), m);
+    EXPECT_LT(pos(21), m);
+    for (int p : {3, 9, 40, 41, 5, HD + 3, HD + 9, HD + 40, HD + 41, HD + 60, 7, HD + 7, 11})
+      EXPECT_EQ(pos(p), m) << "part " << p << " has nothing to remove";
+    const int one = Ops::next_parts(ws, HD, nullptr, 0, next, 1.0);  // keep all: still one part
+    ASSERT_EQ(one, 1);
+    EXPECT_EQ(next[0], 30);
   }
-  // Everything repaired or without a share: no channel left (the check then repairs every one).
+  // Everything repaired or without a share: no part left (the check then repairs every one).
   std::fill(bound_r.begin(), bound_r.end(), 0.0f);
   std::fill(bound.begin(), bound.end(), 0.0f);
   int next[B];
-  EXPECT_EQ(Ops::next_channels(ws, HD, nullptr, 0, next), 0);
+  EXPECT_EQ(Ops::next_parts(ws, HD, nullptr, 0, next), 0);
 }
 
 // The rounding check's softmax weights for its bound (compressor_check::exp_le0, branch-free so

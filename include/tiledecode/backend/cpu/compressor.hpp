@@ -486,32 +486,32 @@ struct backend_ops_compressor {
   // sums the pooling kept before the written candidates where the block's max did not move,
   // resume_block; repair_parts: the candidates of one half through the rows together), in three
   // steps. First, while a listed channel has a part left: those parts (own_parts: per listed value
-  // its parts, a RoPE pair's four, largest first until the value with the rest's bounds holds no
-  // boundary), listed again after each, up to half the parts. Then, while a value is still listed
-  // (ρ: golden's r needs more channels), rounds of up to kRhoBatch channels, a listed one not yet
-  // repaired first, then the largest shares of ρ's sum of squares (next_channels), as many as
-  // rho_clear's target needs, each round listed again, until none is listed or every part is
-  // repaired. Where more than kMaxChannels channels are listed, or one still is then, every part
-  // not yet repaired of every written candidate (repair_rest), and the row is pooled again. A
-  // part reads one weight row and no part is read twice, so the steps save what they leave out:
-  // on bench_compressor's live windows (17 draws, 1088 steps each) no CSA, HCA or inner row
-  // needed every part (when the rounds for ρ stopped at half the parts and a full repair read
-  // all of them, 0.4 % of inner's rows and 0.1 % of HCA's went that way: docs/compressors.md).
-  // The pooling hands the check its softmax max and weight sum per channel (ws.mx, ws.ls), so
-  // the bound costs an exp per written candidate and channel only. The repaired state values are
-  // golden's, and they stay in the pool. A row with a non-finite y is not checked (its policy is
-  // the kernel's). Opt-in (CompressorWeights::row_norms): on steps that close windows, one
-  // thread, its cost is under the 5 % budget for CSA and HCA and at it for the inner compressor
-  // (Zen 3, AVX2, 2026-12-07, fifteenth session: +3.7 %, +4.2 % and +5.0 % of the step in the
-  // check, over 17 draws of the live windows); on two threads the requests' tails run at once where
-  // they are independent, on lanes that help each other (for_requests). Cost and rates:
+  // its parts, a RoPE pair's four, the one that narrows its interval most first, until the value
+  // with the rest's bounds holds no boundary), listed again after each, up to half the parts. Then,
+  // while a value is still listed (ρ: golden's r needs more channels), rounds of up to kRhoParts
+  // parts, a listed channel's not yet repaired first, then the parts that remove most of ρ's sum of
+  // squares (next_parts), as many as rho_clear's target needs, each round listed again, until none
+  // is listed or every part is repaired. Where more than kMaxChannels channels are listed, or one
+  // still is then, every part not yet repaired of every written candidate (repair_rest), and the
+  // row is pooled again. A part reads one weight row and no part is read twice, so the steps save
+  // what they leave out: on bench_compressor's live windows (17 draws, 1088 steps each) no CSA, HCA
+  // or inner row needed every part (when the rounds for ρ stopped at half the parts and a full
+  // repair read all of them, 0.4 % of inner's rows and 0.1 % of HCA's went that way:
+  // docs/compressors.md). The pooling hands the check its softmax max and weight sum per channel
+  // (ws.mx, ws.ls), so the bound costs an exp per written candidate and channel only. The repaired
+  // state values are golden's, and they stay in the pool. A row with a non-finite y is not checked
+  // (its policy is the kernel's). Opt-in (CompressorWeights::row_norms): on steps that close
+  // windows, one thread, its cost is under the 5 % budget for CSA and HCA and at it for the inner
+  // compressor (Zen 3, AVX2, 2026-12-07, fifteenth session: +3.7 %, +4.2 % and +5.0 % of the step
+  // in the check, over 17 draws of the live windows); on two threads the requests' tails run at
+  // once where they are independent, on lanes that help each other (for_requests). Cost and rates:
   // docs/compressors.md ("Rounding accuracy").
-  static constexpr int kMaxChannels = 32;    // listed channels per row; past that, every part
-  static constexpr int kRhoBatch = 16;       // channels per round of the repairs for ρ, at most
-  static constexpr double kRhoMargin = 0.8;  // a round aims at this fraction of rho_clear's ρ
-  // Parts per repair_parts call, at most (a round's: a part per listed channel and kind, or two
-  // per ρ channel).
-  static constexpr int kRepairRows = 2 * std::max(kMaxChannels, kRhoBatch);
+  static constexpr int kMaxChannels = 32;     // listed channels per row; past that, every part
+  static constexpr int kRhoParts = 64;        // parts per round of the repairs for ρ, at most
+  static constexpr double kRhoMargin = 0.95;  // a round aims at this fraction of rho_clear's ρ
+  // Parts per repair_parts call, at most (a round's: a part per listed channel and kind, or the
+  // parts of a round for ρ).
+  static constexpr int kRepairRows = std::max(2 * kMaxChannels, kRhoParts);
 
   static bool checking(const Cpu<I>& be, const kernels::CompressorArgs& a) {
     return kernels::detail::view_given(a.w.row_norms.size(), a.w.row_norms.data()) &&
@@ -650,7 +650,7 @@ struct backend_ops_compressor {
       }
       norm_rope(z, a, rope_pos);
     };
-    int parts[2 * kMaxChannels], done = 0;  // parts repaired
+    int parts[kRepairRows], done = 0;  // parts repaired
     while (nch > 0 && nch <= kMaxChannels && done < HD) {
       const int m = own_parts(z, a, rope_pos, rho, ch, nch, parts);
       if (m == 0) break;
@@ -658,19 +658,15 @@ struct backend_ops_compressor {
       done += m;
       nch = listed_channels(z, a, rope_pos, ch, &rho);
     }
-    // Still listed: ρ, golden's r needs more channels. The largest shares of ρ's sum of squares
-    // first (with any listed channel not yet repaired), as many as bring ρ under kRhoMargin of the
-    // ρ at which the listed values clear (rho_clear; ρ is the root of that sum over a
-    // denominator the repairs barely move), at most kRhoBatch a round, until none is listed or
-    // every part is repaired (a round reads its own rows only: nothing is read again later).
+    // Still listed: ρ, golden's r needs more channels. The parts that remove most of ρ's sum of
+    // squares first (with any listed channel's not yet repaired), as many as bring ρ under
+    // kRhoMargin of the ρ at which the listed values clear (rho_clear; ρ is the root of that sum
+    // over a denominator the repairs barely move), at most kRhoParts a round, until none is
+    // listed or every part is repaired (a round reads its own rows only: nothing is read again
+    // later).
     while (nch > 0 && nch <= kMaxChannels && done < 2 * HD) {
-      int next[kRhoBatch], m = 0;
       const double clear = kRhoMargin * rho_clear(z, a, rope_pos, ch, nch, rho) / rho;
-      const int k = next_channels(ws, HD, ch, nch, next, clear * clear);
-      if (k == 0) break;
-      for (int i = 0; i < k; ++i)
-        for (const int p : {next[i], next[i] + int(HD)})
-          if (ws.bound[p] != 0.0f || ws.bound_r[p] != 0.0f) parts[m++] = p;
+      const int m = next_parts(ws, HD, ch, nch, parts, clear * clear);
       if (m == 0) break;
       repair(parts, m);
       done += m;
@@ -685,11 +681,14 @@ struct backend_ops_compressor {
   // The parts to repair of the listed channels ch[0 .. nch) (part p < HD: channel p's kv values
   // in every written candidate, from wkv's row; HD + d: channel d's scores, from wgate's): per
   // listed value, its parts with a bound left (a channel's two; a RoPE pair's four: the pair's
-  // values are rotated together) largest first (its bound times its channel's scale |r · norm_w|;
-  // ties: channel e's before e + 1's, kv before score), until the value, with the bounds of the
-  // parts not taken, holds no BF16 boundary (list_bf16_row's test, at the same ρ; a pair: both
-  // values); all of them otherwise. A listed pair is both its channels, adjacent in ch, taken once.
-  // Returns their number (0: none left).
+  // values are rotated together), the one that narrows the value's interval most first: its bound
+  // times its channel's scale |r · norm_w|; in a pair, times the rotation's weight of its channel
+  // in each value whose interval still holds a boundary (|cos| in its own channel's value, |sin|
+  // in the other's), summed (ties: channel e's before e + 1's, kv before score), until the value,
+  // with the bounds of the parts not taken, holds no BF16 boundary (list_bf16_row's test, at the
+  // same ρ; a pair: both values); all of them otherwise. A listed pair is both its channels,
+  // adjacent in ch, taken once. Returns their number (0: none left). (A pair's parts by their
+  // bounds alone, unweighted: 8 % more parts in the inner compressor's first rounds.)
   static int own_parts(const Lane& z, const kernels::CompressorArgs& a, index_t rope_pos,
                        double rho, const int* ch, int nch, int* parts) {
     const int HD = int(a.spec.head_dim), nope = HD - int(kRopeDim);
@@ -718,12 +717,34 @@ struct backend_ops_compressor {
           if (!taken[k] && cand[k] % HD == e + c) r += double(ws.bound[cand[k]]);
         return r;
       };
-      // Whether value e (and e + 1 of a pair) still holds a boundary with those bounds.
-      const auto splits = [&] { return listed_at(z, a, rope_pos, e, pair, rest(0), rest(1), rho); };
-      while (splits()) {
+      // Whether value e (and e + 1 of a pair) still holds a boundary with those bounds: bit 0 e,
+      // bit 1 e + 1 (listed_at's test, its operands read once).
+      double rc = 1.0, rs = 0.0;  // |cos|, |sin| of a pair's rotation
+      if (pair) {
+        const index_t k = (e - nope) / 2;
+        rc = std::fabs(double(a.rope.cos_row(rope_pos)[k].to_float()));
+        rs = std::fabs(double(a.rope.sin_row(rope_pos)[k].to_float()));
+      }
+      const double ye = y_of(ws, e), se = y_scale(z, e);
+      const double yo = pair ? y_of(ws, e + 1) : 0.0, so = pair ? y_scale(z, e + 1) : 0.0;
+      const double pe = std::fabs(double(ws.pooled[e]) + double(ws.z[e]));
+      const double po = pair ? std::fabs(double(ws.pooled[e + 1]) + double(ws.z[e + 1])) : 0.0;
+      const auto splits = [&]() -> int {
+        if (!pair) return compressor_check::value_splits(ye, se, rest(0), rho);
+        return compressor_check::pair_splits(ye, yo, rc, rs, se, so, rest(0), rest(1), pe, po, rho);
+      };
+      for (int mask; (mask = splits()) != 0;) {
         int best = -1;
-        for (int k = 0; k < nk; ++k)
-          if (!taken[k] && (best < 0 || wt[k] > wt[best])) best = k;
+        double bw = 0.0;
+        for (int k = 0; k < nk; ++k) {
+          if (taken[k]) continue;
+          double g = 1.0;  // a pair: its channel's rotation weights in the values still listed
+          if (pair) {
+            const bool even = cand[k] % HD == e;
+            g = ((mask & 1) ? (even ? rc : rs) : 0.0) + ((mask & 2) ? (even ? rs : rc) : 0.0);
+          }
+          if (best < 0 || wt[k] * g > bw) best = k, bw = wt[k] * g;
+        }
         if (best < 0) break;  // every part taken: the rest is ρ's
         taken[best] = true;
         parts[m++] = cand[best];
@@ -733,9 +754,10 @@ struct backend_ops_compressor {
   }
 
   // list_row's test (compressor_check.hpp) for value e, its pooled value's bound be, at ρ; a RoPE
-  // pair (e even past the nope values): both its values, bo the bound of e + 1's.
-  static bool listed_at(const Lane& z, const kernels::CompressorArgs& a, index_t rope_pos, int e,
-                        bool pair, double be, double bo, double rho) {
+  // pair (e even past the nope values): both its values, bo the bound of e + 1's (bit 0: e holds a
+  // boundary, bit 1: e + 1; 0: neither).
+  static int listed_at(const Lane& z, const kernels::CompressorArgs& a, index_t rope_pos, int e,
+                       bool pair, double be, double bo, double rho) {
     const Ws& ws = z.ws;
     if (!pair) return compressor_check::value_splits(y_of(ws, e), y_scale(z, e), be, rho);
     const index_t k = (e - (a.spec.head_dim - kRopeDim)) / 2;
@@ -769,51 +791,120 @@ struct backend_ops_compressor {
     }
     return lo;
   }
-  // Whether channel d has a part not yet repaired (a bound of either kind not 0).
-  static bool left(const Ws& ws, index_t HD, int d) {
-    return ws.bound[d] != 0.0f || ws.bound[HD + d] != 0.0f || ws.bound_r[d] != 0.0f ||
-           ws.bound_r[HD + d] != 0.0f;
-  }
-  // The next channels to repair for ρ (check_rounding): the listed ones (ch[0 .. nch)) with a part
-  // left, then the rest by their share of ρ's sum, (p_d · (bound_r[d] + bound_r[HD + d]))²,
-  // largest first (ties: the lower channel), up to kRhoBatch in all; a repaired part's bounds are
-  // 0, as are those of a part with nothing to repair. Of those, the fewest (the listed ones at
-  // least) whose shares leave at most keep (a fraction) of the sum (every share's, the listed
-  // ones' too); keep = 0: all of them. Returns their number (0: no channel has a share left).
-  static int next_channels(const Ws& ws, index_t HD, const int* ch, int nch, int* next,
-                           double keep = 0.0) {
-    const auto share = [&](int d) {
-      const double p = (double(ws.pooled[d]) + double(ws.z[d])) * both_parts(ws.bound_r, HD, d);
+  // The next parts to repair for ρ (check_rounding): the listed channels' (ch[0 .. nch)) not yet
+  // repaired, then the rest by how much of ρ's sum they remove, up to kRhoParts in all. Channel
+  // d's share of the sum is p_d² (b_k + b_s)² (p: pooled + plo; b_k = bound_r[d], b_s =
+  // bound_r[HD + d]: its kv part's and its scores' bounds, 0 once repaired or with nothing to
+  // repair; a NaN share counts as none); repairing its larger part L first removes p_d² L (L + 2S)
+  // of it (kv's the larger on a tie), its smaller part S then the rest, p_d² S² (at most a third
+  // of the first). Those gains (0 and NaN: none) are ranked by buckets of an eighth of an octave
+  // below the largest share (kGainBuckets of them, the last one everything smaller), largest
+  // first, channel order within a bucket (a channel's smaller part lands in a later bucket than
+  // its larger one, or after it in the last). Taken in that order: whole buckets while they fit
+  // in the round and leave more than keep (a fraction) of the sum (every channel's share, the
+  // listed ones' too), then the next bucket's parts until keep is reached or the round is full;
+  // at least one part, if there is one. keep <= 0 (or NaN): a full round. The parts come out
+  // listed ones first, then in channel order. Returns their number (0: no part has a share
+  // left). ws.hit is its scratch (the listing writes it anew).
+  // Parts, not channels: a round needs the sum to shrink, and a channel's larger part holds most
+  // of its share (docs/compressors.md: 24 % fewer parts in the inner compressor's rounds than
+  // whole channels by their shares, with the rounds of up to 64 parts aimed at 0.95 of
+  // rho_clear's ρ, against 16 channels aimed at 0.8). Buckets, not a sort: no branch on the
+  // gains' order (an exact sort took as many parts, and cost about what they saved).
+  static constexpr int kGainBuckets = 128;  // 16 octaves
+  static int next_parts(const Ws& ws, index_t HD, const int* ch, int nch, int* parts,
+                        double keep = 0.0) {
+    const int H = int(HD);
+    const auto has = [&](int p) { return ws.bound[p] != 0.0f || ws.bound_r[p] != 0.0f; };
+    int m = 0;
+    for (int i = 0; i < nch && m + 2 <= kRhoParts; ++i)
+      for (const int p : {ch[i], ch[i] + H})
+        if (has(p) && std::find(parts, parts + m, p) == parts + m) parts[m++] = p;
+    if (m == kRhoParts) return m;
+    const int listed = m, cap = kRhoParts - listed;
+    const bool full = !(keep > 0.0);
+    // Per channel (ws.hit as scratch: the listing writes it anew): -1 listed, else its parts'
+    // buckets + 1 (bits 0-7: the larger part's, 8-15: the smaller's; 0: no gain).
+    std::int32_t* const tag = ws.hit;
+    std::fill_n(tag, H, 0);
+    for (int i = 0; i < nch; ++i) tag[ch[i]] = -1;
+    const auto p2_of = [&](int d) {
+      const double p = double(ws.pooled[d]) + double(ws.z[d]);
       return p * p;
     };
-    int m = 0;
-    for (int i = 0; i < nch && m < kRhoBatch; ++i)
-      if (left(ws, HD, ch[i]) && std::find(next, next + m, ch[i]) == next + m) next[m++] = ch[i];
-    if (m == kRhoBatch) return m;
-    const int listed = m;
-    double top[kRhoBatch];  // the shares of next[listed .. m), descending
-    double sum = 0.0;       // every channel's share
-    for (int d = 0; d < int(HD); ++d) {
-      const double br = both_parts(ws.bound_r, HD, d);
-      if (br == 0.0) continue;
-      const double s = share(d);
-      sum += s;
-      if (std::find(next, next + listed, d) != next + listed) continue;
-      if (!(s > 0.0) || (m == kRhoBatch && !(s > top[m - 1]))) continue;
-      int i = m < kRhoBatch ? m++ : m - 1;  // full: the smallest share drops out
-      for (; i > listed && top[i - 1] < s; --i) {
-        top[i] = top[i - 1];
-        next[i] = next[i - 1];
-      }
-      top[i] = s;
-      next[i] = d;
+    // Pass 1: the sum, the listed channels' shares, the largest share (no gain exceeds it).
+    double sum = 0.0, listed_share = 0.0, top = 0.0;
+    for (int d = 0; d < H; ++d) {
+      const double b = double(ws.bound_r[d]) + double(ws.bound_r[H + d]);
+      const double share = p2_of(d) * b * b;
+      if (!(share > 0.0)) continue;  // 0, NaN (a NaN pooled value: such a row is not checked)
+      sum += share;
+      if (tag[d] < 0) listed_share += share;
+      top = std::max(top, share);
     }
-    if (!(keep > 0.0)) return m;  // 0 (and a NaN): every channel found
-    double left_over = sum;       // the sum without the shares taken
-    for (int i = 0; i < listed; ++i) left_over -= share(next[i]);
-    int k = listed;
-    while (k < m && !(left_over <= keep * sum)) left_over -= top[k++];
-    return std::max(k, std::min(m, 1));
+    if (!(top > 0.0)) return m;  // no part with a gain
+    const auto key = [](double g) { return std::int64_t(std::bit_cast<std::uint64_t>(g) >> 49); };
+    const std::int64_t ktop = key(top);
+    const auto bucket = [&](double g) {  // g > 0, g <= top
+      return int(std::min<std::int64_t>(ktop - key(g), kGainBuckets - 1));
+    };
+    // Channel d's gains: its larger part's and its smaller's, and which part is the larger.
+    const auto gains = [&](int d, double* g) {
+      const double bk = double(ws.bound_r[d]), bs = double(ws.bound_r[H + d]);
+      const double p2 = p2_of(d);
+      const bool kv = bk >= bs;
+      const double L = kv ? bk : bs, S = kv ? bs : bk;
+      g[0] = p2 * L * (L + 2.0 * S);
+      g[1] = p2 * S * S;
+      return kv;
+    };
+    // Pass 2: the buckets' counts and gains, each channel's buckets in its tag.
+    int cnt[kGainBuckets] = {};
+    double gs[kGainBuckets] = {};
+    for (int d = 0; d < H; ++d) {
+      if (tag[d] < 0) continue;
+      double g[2];
+      gains(d, g);
+      std::int32_t t = 0;
+      for (int i = 0; i < 2; ++i) {
+        if (!(g[i] > 0.0)) continue;  // 0, NaN
+        const int b = bucket(g[i]);
+        ++cnt[b];
+        gs[b] += g[i];
+        t |= (b + 1) << (8 * i);
+      }
+      tag[d] = t;
+    }
+    double left = sum - listed_share;  // what is left of the sum once the parts taken are repaired
+    const auto done = [&] { return !full && left <= keep * sum; };
+    int taken = 0, cut = 0;
+    for (; cut < kGainBuckets; ++cut) {  // whole buckets
+      if (cnt[cut] == 0) continue;
+      if (taken + cnt[cut] > cap || done() || (!full && left - gs[cut] <= keep * sum)) break;
+      taken += cnt[cut];
+      left -= gs[cut];
+    }
+    // Pass 3: the whole buckets' parts, and bucket `cut`'s in channel order while not done (the
+    // first one in any case where nothing else is taken) and the round has room.
+    int room = cap - taken;
+    bool want = cut < kGainBuckets && (!done() || (listed == 0 && taken == 0));
+    for (int d = 0; d < H; ++d) {
+      const std::int32_t t = tag[d];
+      if (t <= 0) continue;
+      for (int i = 0; i < 2; ++i) {
+        const int b = ((t >> (8 * i)) & 0xff) - 1;
+        if (b < 0 || b > cut || (b == cut && !(want && room > 0))) continue;
+        double g[2];
+        const bool kv = gains(d, g);
+        parts[m++] = (i == 0) == kv ? d : H + d;
+        if (b == cut) {
+          --room;
+          left -= g[i];
+          want = !done();
+        }
+      }
+    }
+    return m;
   }
 
   // Whether project makes the FP32 copy of x_n (ws.x32): not with Bf16Dot::exact (double dots on

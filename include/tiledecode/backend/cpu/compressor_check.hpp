@@ -157,14 +157,15 @@ __attribute__((always_inline)) inline std::int32_t value_splits(double v, double
 }
 // A RoPE pair (e, o): ye, yo, their scales se, so, bounds be, bo and |pooled| pe, po, rotated by
 // nc = |cos|, ns = |sin|: U = s · b + |p| · s · ρ each, |cos| U_e + |sin| U_o + 2^-40 |y_e| and
-// |sin| U_e + |cos| U_o + 2^-40 |y_o|; either value splitting lists both.
+// |sin| U_e + |cos| U_o + 2^-40 |y_o|. Bit 0: y_e's interval holds a boundary, bit 1: y_o's (either
+// lists both values; own_parts reads which).
 __attribute__((always_inline)) inline std::int32_t pair_splits(double ye, double yo, double nc,
                                                                double ns, double se, double so,
                                                                double be, double bo, double pe,
                                                                double po, double rho) {
   const double ue = se * be + pe * se * rho, uo = so * bo + po * so * rho;
   return rounding_check::bf16_splits_i(ye, nc * ue + ns * uo + std::fabs(ye) * 0x1p-40) |
-         rounding_check::bf16_splits_i(yo, ns * ue + nc * uo + std::fabs(yo) * 0x1p-40);
+         rounding_check::bf16_splits_i(yo, ns * ue + nc * uo + std::fabs(yo) * 0x1p-40) << 1;
 }
 // Whether a value v whose FP32 y is yf = float(v) may lie within W of a BF16 rounding boundary,
 // given w, W computed in FP32 (a few FP32 roundings: w >= W / (1 + 2^-20)): the cheap first pass
