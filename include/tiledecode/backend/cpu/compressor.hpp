@@ -441,7 +441,7 @@ struct backend_ops_compressor {
   // rotation's two products and add cost nothing next to the pool).
   static void norm_rope(Lane& z, const kernels::CompressorArgs& a, index_t rope_pos) {
     const index_t HD = a.spec.head_dim;
-    const auto pooled = [&](index_t i) { return double(z.ws.pooled[i]) + double(z.ws.z[i]); };
+    const auto pooled = [&](index_t i) { return pooled_of(z.ws, i); };
     double ss = 0.0;
     for (index_t i = 0; i < HD; ++i) ss += pooled(i) * pooled(i);
     const double r = 1.0 / std::sqrt(ss / double(HD) + double(a.cfg->rms_eps));
@@ -555,6 +555,15 @@ struct backend_ops_compressor {
   }
   static double y_scale(const Lane& z, index_t i) {
     return std::fabs(z.r * double(z.ws.nw[i]));  // norm_w as FP32 (project)
+  }
+  // Channel i's pooled value as the check sees it (its double, pooled + z).
+  static double pooled_of(const Ws& ws, index_t i) {
+    return double(ws.pooled[i]) + double(ws.z[i]);
+  }
+  // Whether part p (p < HD: channel p's kv values; HD + d: channel d's scores) is not yet repaired:
+  // a bound of either kind not 0 (a part with nothing to repair has both 0).
+  static bool part_left(const Ws& ws, int p) {
+    return ws.bound[p] != 0.0f || ws.bound_r[p] != 0.0f;
   }
   // Channel d's bound from both parts (b: ws.bound or ws.bound_r).
   static double both_parts(const float* b, index_t HD, index_t d) {
@@ -693,7 +702,6 @@ struct backend_ops_compressor {
                        double rho, const int* ch, int nch, int* parts) {
     const int HD = int(a.spec.head_dim), nope = HD - int(kRopeDim);
     const Ws& ws = z.ws;
-    const auto has = [&](int p) { return ws.bound[p] != 0.0f || ws.bound_r[p] != 0.0f; };
     int m = 0;
     for (int i = 0; i < nch; ++i) {
       const int d = ch[i];
@@ -705,7 +713,7 @@ struct backend_ops_compressor {
       double wt[4];
       for (int c = 0; c < nc; ++c)
         for (const int p : {e + c, HD + e + c})
-          if (has(p)) {
+          if (part_left(ws, p)) {
             cand[nk] = p;
             wt[nk++] = y_scale(z, e + c) * double(ws.bound[p]);
           }
@@ -717,22 +725,9 @@ struct backend_ops_compressor {
           if (!taken[k] && cand[k] % HD == e + c) r += double(ws.bound[cand[k]]);
         return r;
       };
-      // Whether value e (and e + 1 of a pair) still holds a boundary with those bounds: bit 0 e,
-      // bit 1 e + 1 (listed_at's test, its operands read once).
-      double rc = 1.0, rs = 0.0;  // |cos|, |sin| of a pair's rotation
-      if (pair) {
-        const index_t k = (e - nope) / 2;
-        rc = std::fabs(double(a.rope.cos_row(rope_pos)[k].to_float()));
-        rs = std::fabs(double(a.rope.sin_row(rope_pos)[k].to_float()));
-      }
-      const double ye = y_of(ws, e), se = y_scale(z, e);
-      const double yo = pair ? y_of(ws, e + 1) : 0.0, so = pair ? y_scale(z, e + 1) : 0.0;
-      const double pe = std::fabs(double(ws.pooled[e]) + double(ws.z[e]));
-      const double po = pair ? std::fabs(double(ws.pooled[e + 1]) + double(ws.z[e + 1])) : 0.0;
-      const auto splits = [&]() -> int {
-        if (!pair) return compressor_check::value_splits(ye, se, rest(0), rho);
-        return compressor_check::pair_splits(ye, yo, rc, rs, se, so, rest(0), rest(1), pe, po, rho);
-      };
+      // Whether value e (and e + 1 of a pair) still holds a boundary with those bounds.
+      const ValueTest test = value_test(z, a, rope_pos, e, pair);
+      const auto splits = [&] { return test.splits(rest(0), rest(1), rho); };
       for (int mask; (mask = splits()) != 0;) {
         int best = -1;
         double bw = 0.0;
@@ -741,7 +736,8 @@ struct backend_ops_compressor {
           double g = 1.0;  // a pair: its channel's rotation weights in the values still listed
           if (pair) {
             const bool even = cand[k] % HD == e;
-            g = ((mask & 1) ? (even ? rc : rs) : 0.0) + ((mask & 2) ? (even ? rs : rc) : 0.0);
+            g = ((mask & 1) ? (even ? test.nc : test.ns) : 0.0) +
+                ((mask & 2) ? (even ? test.ns : test.nc) : 0.0);
           }
           if (best < 0 || wt[k] * g > bw) best = k, bw = wt[k] * g;
         }
@@ -753,19 +749,29 @@ struct backend_ops_compressor {
     return m;
   }
 
-  // list_row's test (compressor_check.hpp) for value e, its pooled value's bound be, at ρ; a RoPE
-  // pair (e even past the nope values): both its values, bo the bound of e + 1's (bit 0: e holds a
-  // boundary, bit 1: e + 1; 0: neither).
-  static int listed_at(const Lane& z, const kernels::CompressorArgs& a, index_t rope_pos, int e,
-                       bool pair, double be, double bo, double rho) {
+  // list_row's test (compressor_check.hpp) for value e, its operands read once: splits(be, bo, ρ)
+  // with be its pooled value's bound; a RoPE pair (e even past the nope values): both its values,
+  // bo the bound of e + 1's, rotated by nc = |cos|, ns = |sin| (bit 0: e holds a boundary, bit 1:
+  // e + 1; 0: neither).
+  struct ValueTest {
+    bool pair;
+    double ye, yo, se, so, pe, po, nc, ns;
+    int splits(double be, double bo, double rho) const {
+      if (!pair) return compressor_check::value_splits(ye, se, be, rho);
+      return compressor_check::pair_splits(ye, yo, nc, ns, se, so, be, bo, pe, po, rho);
+    }
+  };
+  static ValueTest value_test(const Lane& z, const kernels::CompressorArgs& a, index_t rope_pos,
+                              int e, bool pair) {
     const Ws& ws = z.ws;
-    if (!pair) return compressor_check::value_splits(y_of(ws, e), y_scale(z, e), be, rho);
+    ValueTest t{pair, y_of(ws, e), 0.0, y_scale(z, e), 0.0, 0.0, 0.0, 1.0, 0.0};
+    if (!pair) return t;
     const index_t k = (e - (a.spec.head_dim - kRopeDim)) / 2;
-    const auto pabs = [&](int i) { return std::fabs(double(ws.pooled[i]) + double(ws.z[i])); };
-    return compressor_check::pair_splits(
-        y_of(ws, e), y_of(ws, e + 1), std::fabs(double(a.rope.cos_row(rope_pos)[k].to_float())),
-        std::fabs(double(a.rope.sin_row(rope_pos)[k].to_float())), y_scale(z, e), y_scale(z, e + 1),
-        be, bo, pabs(e), pabs(e + 1), rho);
+    t.yo = y_of(ws, e + 1), t.so = y_scale(z, e + 1);
+    t.pe = std::fabs(pooled_of(ws, e)), t.po = std::fabs(pooled_of(ws, e + 1));
+    t.nc = std::fabs(double(a.rope.cos_row(rope_pos)[k].to_float()));
+    t.ns = std::fabs(double(a.rope.sin_row(rope_pos)[k].to_float()));
+    return t;
   }
   // The ρ at which none of the listed values ch[0 .. nch) (listed at rho) holds a boundary with
   // its own bounds as they are: the largest found by 20 bisections of [0, rho] (the listing's
@@ -774,13 +780,17 @@ struct backend_ops_compressor {
   static double rho_clear(const Lane& z, const kernels::CompressorArgs& a, index_t rope_pos,
                           const int* ch, int nch, double rho) {
     const int HD = int(a.spec.head_dim), nope = HD - int(kRopeDim);
+    ValueTest test[kMaxChannels];
+    double be[kMaxChannels], bo[kMaxChannels];
+    for (int i = 0; i < nch; ++i) {  // nch <= kMaxChannels (check_rounding)
+      const int d = ch[i], e = d >= nope ? d - (d - nope) % 2 : d;
+      test[i] = value_test(z, a, rope_pos, e, d >= nope);
+      be[i] = both_parts(z.ws.bound, HD, e);
+      bo[i] = d >= nope ? both_parts(z.ws.bound, HD, e + 1) : 0.0;
+    }
     const auto any = [&](double r) {
-      for (int i = 0; i < nch; ++i) {
-        const int d = ch[i], e = d >= nope ? d - (d - nope) % 2 : d;
-        const double be = both_parts(z.ws.bound, HD, e);
-        const double bo = d >= nope ? both_parts(z.ws.bound, HD, e + 1) : 0.0;
-        if (listed_at(z, a, rope_pos, e, d >= nope, be, bo, r)) return true;
-      }
+      for (int i = 0; i < nch; ++i)
+        if (test[i].splits(be[i], bo[i], r)) return true;
       return false;
     };
     if (!(rho > 0.0) || any(0.0)) return 0.0;
@@ -815,11 +825,10 @@ struct backend_ops_compressor {
   static int next_parts(const Ws& ws, index_t HD, const int* ch, int nch, int* parts,
                         double keep = 0.0) {
     const int H = int(HD);
-    const auto has = [&](int p) { return ws.bound[p] != 0.0f || ws.bound_r[p] != 0.0f; };
     int m = 0;
     for (int i = 0; i < nch && m + 2 <= kRhoParts; ++i)
       for (const int p : {ch[i], ch[i] + H})
-        if (has(p) && std::find(parts, parts + m, p) == parts + m) parts[m++] = p;
+        if (part_left(ws, p) && std::find(parts, parts + m, p) == parts + m) parts[m++] = p;
     if (m == kRhoParts) return m;
     const int listed = m, cap = kRhoParts - listed;
     const bool full = !(keep > 0.0);
@@ -829,7 +838,7 @@ struct backend_ops_compressor {
     std::fill_n(tag, H, 0);
     for (int i = 0; i < nch; ++i) tag[ch[i]] = -1;
     const auto p2_of = [&](int d) {
-      const double p = double(ws.pooled[d]) + double(ws.z[d]);
+      const double p = pooled_of(ws, d);
       return p * p;
     };
     // Pass 1: the sum, the listed channels' shares, the largest share (no gain exceeds it).
