@@ -1001,16 +1001,16 @@ TEST(CompressorLanes, IndependentRequestsOnLanesGiveTheSerialBits) {
   }
 }
 
-// The rounding check's re-pooling from the pooling's kept sums (avx2::compressor_pool_resume):
-// keeping them does not move the pooling's bits; after the last 1-2 candidates change (an FP32 ulp
-// of every kv and score), a block whose max did not move gets the bits of pooling the changed
-// window again, and a block whose max moved (a changed score raised past it, or the max itself
-// lowered) returns false and writes nothing. Windows of 8 and 128 candidates, with masked
-// (kNegBig) candidates before the tail in a quarter of them.
-TEST(CompressorTiers, Avx2PoolResumeIsThePoolingsBits) {
-#if TILEDECODE_X86
-  if (!td::cpu::cpu_has_avx2()) GTEST_SKIP() << "no AVX2 on this CPU";
-  namespace avx2 = td::cpu::avx2;
+// The rounding check's re-pooling from the pooling's kept sums (avx2:: and
+// avx512::compressor_pool_resume): keeping them does not move the pooling's bits; after the last
+// 1-2 candidates change (an FP32 ulp of every kv and score), a block whose max did not move gets
+// the bits of pooling the changed window again, and a block whose max moved (a changed score
+// raised past it, or the max itself lowered) returns false and writes nothing. Windows of 8 and
+// 128 candidates, with masked (kNegBig) candidates before the tail in a quarter of them. Pool(hi,
+// lo, kv, sc, n, c0, c1, mx, ls, pre, mp, j0) and Resume(hi, lo, kv, sc, n, c, j0, pre, mp, mx):
+// the tier's two kernels.
+template <class Pool, class Resume>
+void expect_pool_resume_is_the_poolings_bits(Pool pool, Resume resume) {
   const auto bits = [](float v) { return std::bit_cast<std::uint32_t>(v); };
   tdtest::Rng rng(23);
   constexpr index_t HD = 32;  // four blocks of 8 channels
@@ -1029,11 +1029,12 @@ TEST(CompressorTiers, Avx2PoolResumeIsThePoolingsBits) {
           sc[std::size_t(j)] = scs.data() + j * HD;
         }
         const int j0 = n - tail;
-        std::vector<float> hi(HD), lo(HD), mx(HD), ls(HD), h0(HD), l0(HD);
+        std::vector<float> hi(HD), lo(HD), mx(HD), ls(HD), mp(HD), h0(HD), l0(HD);
         std::vector<double> pre(2 * HD);
-        avx2::compressor_pool_channels(hi.data(), lo.data(), kv.data(), sc.data(), n, 0, HD,
-                                       mx.data(), ls.data(), pre.data(), j0);
-        avx2::compressor_pool_channels(h0.data(), l0.data(), kv.data(), sc.data(), n, 0, HD);
+        pool(hi.data(), lo.data(), kv.data(), sc.data(), n, 0, HD, mx.data(), ls.data(), pre.data(),
+             mp.data(), j0);
+        pool(h0.data(), l0.data(), kv.data(), sc.data(), n, 0, HD, nullptr, nullptr, nullptr,
+             nullptr, 0);
         for (index_t c = 0; c < HD; ++c)
           ASSERT_TRUE(bits(hi[c]) == bits(h0[c]) && bits(lo[c]) == bits(l0[c])) << "kept sums";
         for (std::size_t i = std::size_t(j0 * HD); i < kvs.size(); ++i) {
@@ -1045,7 +1046,8 @@ TEST(CompressorTiers, Avx2PoolResumeIsThePoolingsBits) {
           scs[std::size_t((n - 1) * HD + c)] = mx[std::size_t(c)] + 1.0f;
         }
         std::vector<float> hf(HD), lf(HD);
-        avx2::compressor_pool_channels(hf.data(), lf.data(), kv.data(), sc.data(), n, 0, HD);
+        pool(hf.data(), lf.data(), kv.data(), sc.data(), n, 0, HD, nullptr, nullptr, nullptr,
+             nullptr, 0);
         for (index_t c0 = 0; c0 < HD; c0 += 8) {
           bool same_max = true;
           for (index_t c = c0; c < c0 + 8; ++c) {
@@ -1054,8 +1056,8 @@ TEST(CompressorTiers, Avx2PoolResumeIsThePoolingsBits) {
             same_max = same_max && bits(m) == bits(mx[std::size_t(c)]);
           }
           std::vector<float> hr = hi, lr = lo;
-          const bool ok = avx2::compressor_pool_resume(hr.data(), lr.data(), kv.data(), sc.data(),
-                                                       n, c0, j0, pre.data(), mx.data());
+          const bool ok = resume(hr.data(), lr.data(), kv.data(), sc.data(), n, c0, j0, pre.data(),
+                                 mp.data(), mx.data());
           EXPECT_EQ(ok, same_max) << "n " << n << " rep " << rep << " block " << c0;
           for (index_t c = c0; c < c0 + 8; ++c) {
             const std::size_t u = std::size_t(c);
@@ -1071,8 +1073,37 @@ TEST(CompressorTiers, Avx2PoolResumeIsThePoolingsBits) {
       }
   EXPECT_GT(resumed, 100);
   EXPECT_GT(moved, 20);
+}
+
+TEST(CompressorTiers, Avx2PoolResumeIsThePoolingsBits) {
+#if TILEDECODE_X86
+  if (!td::cpu::cpu_has_avx2()) GTEST_SKIP() << "no AVX2 on this CPU";
+  namespace avx2 = td::cpu::avx2;
+  expect_pool_resume_is_the_poolings_bits(
+      [](float* hi, float* lo, const float* const* kv, const float* const* sc, int n, index_t c0,
+         index_t c1, float* mx, float* ls, double* pre, float* mp, int j0) {
+        avx2::compressor_pool_channels(hi, lo, kv, sc, n, c0, c1, mx, ls, pre, mp, j0);
+      },
+      [](auto... args) { return avx2::compressor_pool_resume(args...); });
 #else
   GTEST_SKIP() << "AVX2 is x86 only";
+#endif
+}
+
+// The same for the AVX-512 pooling (its own layout of the kept sums); its bits are avx2's
+// (BitIdenticalAcrossTiers).
+TEST(CompressorTiers, Avx512PoolResumeIsThePoolingsBits) {
+#if TILEDECODE_X86
+  if (!td::cpu::cpu_has_avx512()) GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
+  namespace avx512 = td::cpu::avx512;
+  expect_pool_resume_is_the_poolings_bits(
+      [](float* hi, float* lo, const float* const* kv, const float* const* sc, int n, index_t c0,
+         index_t c1, float* mx, float* ls, double* pre, float* mp, int j0) {
+        avx512::compressor_pool_channels(hi, lo, kv, sc, n, c0, c1, {}, mx, ls, pre, mp, j0);
+      },
+      [](auto... args) { return avx512::compressor_pool_resume(args...); });
+#else
+  GTEST_SKIP() << "AVX-512 is x86 only";
 #endif
 }
 

@@ -229,7 +229,7 @@ inline constexpr index_t kCompressorLanes = 8;
 // flags (head_dim each), the check's two bounds (2 head_dim each), the pooling's kept sums (2
 // head_dim doubles) and the repairs' flags (2 head_dim bytes).
 constexpr index_t compressor_lane_size(const CompressorSpec& spec) {
-  return 7 * ws_round(spec.head_dim) + 2 * ws_round(2 * spec.head_dim) +
+  return 8 * ws_round(spec.head_dim) + 2 * ws_round(2 * spec.head_dim) +
          ws_round(4 * spec.head_dim) + ws_round(spec.head_dim / 2);
 }
 // Entries (two INT64 each) of the lanes' independence test: per token its state block written, its

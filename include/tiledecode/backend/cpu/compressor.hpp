@@ -108,9 +108,11 @@ struct CompressorWorkspace {
   float* bound_r;   // (2 head_dim) the same with κ_r, for the RMS factor's bound
   float* mx;        // (head_dim) the rounding check: the pooling's softmax max per channel
   float* ls;        // (head_dim) the rounding check: its weight sum Σ e^(s - max), FP32
+  float* mp;        // (head_dim) the rounding check: the max over the candidates before the written
+                    // ones (ws.pre's; compressor_pool_resume continues it over the rest)
   float* nw;        // (head_dim) the rounding check: norm_w as FP32
-  double* pre;      // (2 head_dim) the rounding check: the AVX2 pooling's sums before the written
-                    // candidates (avx2::compressor_pool_resume)
+  double* pre;      // (2 head_dim) the rounding check: the SIMD pooling's sums before the written
+                    // candidates (avx2:: / avx512::compressor_pool_resume)
   std::int32_t* hit;      // (head_dim) the rounding check: the listing's flags per value
   std::uint8_t* fixed;    // (2 head_dim) the rounding check: the parts repaired in this window
   std::int64_t* keys;     // (T) the rounding check: the state slot of written[i] (unmapped last)
@@ -140,7 +142,8 @@ inline CompressorWorkspace carve_workspace(const ModelConfig& cfg, const Compres
   w.y_lo = w.z + ws_round(HD);
   w.mx = w.y_lo + ws_round(HD);
   w.ls = w.mx + ws_round(HD);
-  w.hit = reinterpret_cast<std::int32_t*>(w.ls + ws_round(HD));
+  w.mp = w.ls + ws_round(HD);
+  w.hit = reinterpret_cast<std::int32_t*>(w.mp + ws_round(HD));
   w.bound = reinterpret_cast<float*>(w.hit) + ws_round(HD);
   w.bound_r = w.bound + ws_round(2 * HD);
   w.pre = reinterpret_cast<double*>(w.bound_r + ws_round(2 * HD));
@@ -157,9 +160,9 @@ namespace tiledecode::cpu {
 template <Isa I>
 struct backend_ops_compressor {
   static constexpr bool avx2 = has_avx2(I) && TILEDECODE_X86;
-  // The AVX2 pooling keeps the sums before the written candidates (ws.pre; the AVX-512 tier's
-  // pooling keeps none): pool, resume_block.
-  static constexpr bool keeps_pre = avx2 && I != Isa::avx512;
+  // The AVX2 and AVX-512 poolings keep the sums before the written candidates (ws.pre; each
+  // tier reads its own layout): pool, resume_block.
+  static constexpr bool keeps_pre = avx2;
   using Ws = kernels::detail::CompressorWorkspace;
 
   static void check(const Cpu<I>&, const kernels::CompressorArgs&) {}
@@ -183,15 +186,19 @@ struct backend_ops_compressor {
     [[maybe_unused]] bf16* const xp = reinterpret_cast<bf16*>(ws.x32);
     if (panel) avx512::pack_bf16_panel(be, xp, a.x_n.data(), a.x_n.stride(0), T, D);
 #endif
-    // The FP32 copy, and the rounding check's error scale of each token while its row is in L1.
+    // The FP32 copy, and the rounding check's error scale of each token while its row is in L1;
+    // without the copy, the scales after the projection, which leaves x_n in cache (before it,
+    // x_n may come from memory: 750-900 cycles a token on Zen 4, one thread, in bench_compressor).
     const bool made = x32_made(be), check = checking(be, a);
-    if (made || check) {
+    const auto scales = [&](std::int64_t t) {
+      ws.ax[t] = 0x1p-24f * rounding_check::bf16_abs_max(I, a.x_n.data() + t * a.x_n.stride(0), D);
+    };
+    if (made) {
       be.tasks(T, [&](std::int64_t t) {
         const bf16* src = a.x_n.data() + t * a.x_n.stride(0);
         float* dst = ws.x32 + t * D;
-        if (made)
-          for (index_t k = 0; k < D; ++k) dst[k] = src[k].to_float();
-        if (check) ws.ax[t] = 0x1p-24f * rounding_check::bf16_abs_max(I, src, D);
+        for (index_t k = 0; k < D; ++k) dst[k] = src[k].to_float();
+        if (check) scales(t);
       });
     }
     // Tasks of RB rows of wkv, then of wgate: the split depends on the shape (and the path) only.
@@ -249,6 +256,7 @@ struct backend_ops_compressor {
       for (index_t o = 0; o < OUT; ++o) g[o] += a.w.ape(r, o);
     }
     for (index_t i = 0; i < SW; ++i) ws.null_row[i] = i < OUT ? 0.0f : kNegBig;
+    if (check && !made) be.tasks(T, scales);
     if (check) {  // the rounding check's lookup of the step's writers (writer below)
       for (index_t t = 0; t < T; ++t) ws.written[t] = std::int32_t(t);
       std::sort(ws.written, ws.written + T, [&](std::int32_t x, std::int32_t y) {
@@ -367,7 +375,7 @@ struct backend_ops_compressor {
     }
 #endif
     // The rounding check's re-pooling resumes after the candidates before the request's tokens
-    // (the last S of the window at most: positions ascend), from sums the AVX2 pooling keeps.
+    // (the last S of the window at most: positions ascend), from sums the SIMD pooling keeps.
     const int pre_j = std::max(0, n - int(a.meta.shape.seq));
     z.pre_j = keeps_pre && checking(*z.be, a) ? pre_j : -1;
     // Channel blocks only where the window is long enough to be worth a task (shape-only rule).
@@ -377,11 +385,12 @@ struct backend_ops_compressor {
 #if TILEDECODE_X86
       if constexpr (I == Isa::avx512) {
         avx512::compressor_pool_channels(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1, ahead, z.ws.mx,
-                                         z.ws.ls);
+                                         z.ws.ls, z.pre_j >= 0 ? z.ws.pre : nullptr, z.ws.mp,
+                                         pre_j);
         return;
       } else if constexpr (avx2) {
         avx2::compressor_pool_channels(z.ws.pooled, z.ws.z, kv, sc, n, c0, c1, z.ws.mx, z.ws.ls,
-                                       z.pre_j >= 0 ? z.ws.pre : nullptr, pre_j);
+                                       z.pre_j >= 0 ? z.ws.pre : nullptr, z.ws.mp, pre_j);
         return;
       }
 #endif
@@ -409,8 +418,11 @@ struct backend_ops_compressor {
   static bool resume_block(const float* const* kv, const float* const* sc, int n, const Ws& ws,
                            index_t c, int j0) {
 #if TILEDECODE_X86
-    if constexpr (keeps_pre)
-      return avx2::compressor_pool_resume(ws.pooled, ws.z, kv, sc, n, c, j0, ws.pre, ws.mx);
+    if constexpr (I == Isa::avx512)
+      return avx512::compressor_pool_resume(ws.pooled, ws.z, kv, sc, n, c, j0, ws.pre, ws.mp,
+                                            ws.mx);
+    else if constexpr (keeps_pre)
+      return avx2::compressor_pool_resume(ws.pooled, ws.z, kv, sc, n, c, j0, ws.pre, ws.mp, ws.mx);
 #endif
     (void)kv, (void)sc, (void)n, (void)ws, (void)c, (void)j0;
     return false;

@@ -150,18 +150,22 @@ TILEDECODE_TARGET_AVX2 inline void pool_store(float* hi, float* lo, index_t c, _
 // a -Inf score has weight 0; a channel whose every score is -Inf pools to 0 / 0 = NaN, as golden.
 // Masked candidates score kNegBig (weight e^(kNegBig - m) = 0 unless every score is kNegBig).
 // With pre (the rounding check, backend/cpu/compressor.hpp): the sums after the candidates before
-// j0 are kept, pre[2c .. 2c + 16) = l0, l1, acc0, acc1 of channels c .. c + 7
-// (compressor_pool_resume).
+// j0 are kept, pre[2c .. 2c + 16) = l0, l1, acc0, acc1 of channels c .. c + 7, and the max over
+// those candidates, mp[c .. c + 8) (compressor_pool_resume).
 TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(
     float* hi, float* lo, const float* const* kv, const float* const* score, int n_cand, index_t c0,
-    index_t c1, float* mx = nullptr, float* ls = nullptr, double* pre = nullptr, int j0 = 0) {
+    index_t c1, float* mx = nullptr, float* ls = nullptr, double* pre = nullptr,
+    float* mp = nullptr, int j0 = 0) {
+  const int jp = pre ? std::min(j0, n_cand) : 0;  // the sums kept after jp candidates
   for (index_t c = c0; c < c1; c += 8) {
     __m256 m8 = _mm256_set1_ps(kNegBig), n8 = _mm256_set1_ps(INFINITY);
-    for (int j = 0; j < n_cand; ++j) {
+    for (int j = 0; j < n_cand; ++j) {  // the max in ascending j (a NaN may drop out: the order)
+      if (pre && j == jp) _mm256_storeu_ps(mp + c, m8);
       const __m256 s = _mm256_loadu_ps(score[j] + c);
       m8 = _mm256_max_ps(m8, s);
       n8 = _mm256_min_ps(n8, s);
     }
+    if (pre && jp == n_cand) _mm256_storeu_ps(mp + c, m8);
     const __m256d m0 = _mm256_cvtps_pd(_mm256_castps256_ps128(m8));
     const __m256d m1 = _mm256_cvtps_pd(_mm256_extractf128_ps(m8, 1));
     // Every x = s - m of these 8 channels >= kPoolExpLo: exp_pd<false>, the same bits with 3 of
@@ -174,7 +178,6 @@ TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(
                            _mm256_movemask_pd(_mm256_cmp_pd(d1, x_lo, _CMP_GE_OQ))) == 0xf;
     __m256d l0 = _mm256_setzero_pd(), l1 = _mm256_setzero_pd();
     __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
-    const int jp = pre ? std::min(j0, n_cand) : 0;  // the sums kept after jp candidates
     if (in_range)
       pool_sums<false>(l0, l1, a0, a1, kv, score, 0, jp, c, m0, m1);
     else
@@ -198,22 +201,35 @@ TILEDECODE_TARGET_AVX2 inline void compressor_pool_channels(
   }
 }
 
+// compressor_pool_resume's test for channels c .. c + 7: the max over every candidate, as the
+// pooling's kept max over those before j0 (mp, which did not change) continued over the rest in
+// the same order (the bits of a pass over all of them, which an HCA window of 128 candidates, 1-2
+// of them written, would read from 128 rows), into m8; whether it is still the pooling's max mx
+// (the bits).
+TILEDECODE_TARGET_AVX2 inline bool pool_max_kept(const float* const* score, int n_cand, index_t c,
+                                                 int j0, const float* mp, const float* mx,
+                                                 __m256& m8) {
+  m8 = _mm256_loadu_ps(mp + c);
+  for (int j = std::min(j0, n_cand); j < n_cand; ++j)
+    m8 = _mm256_max_ps(m8, _mm256_loadu_ps(score[j] + c));
+  const __m256i same =
+      _mm256_cmpeq_epi32(_mm256_castps_si256(m8), _mm256_castps_si256(_mm256_loadu_ps(mx + c)));
+  return _mm256_movemask_epi8(same) == -1;
+}
+
 // Channels c .. c + 7 pooled again after the candidates from j0 on changed (the rounding check's
 // repairs), from the sums compressor_pool_channels kept there (pre, with its max mx): where the max
 // over every candidate now is mx's (the bits), the sums before j0 are the ones a new pooling would
 // make, so it resumes from them with the same additions in the same order:
 // compressor_pool_channels' bits (exp_pd<true> gives exp_pd<false>'s bits where it is in range).
-// Returns false, and writes nothing, where the max moved.
+// The max: pool_max_kept. Returns false, and writes nothing, where the max moved.
 TILEDECODE_TARGET_AVX2 inline bool compressor_pool_resume(float* hi, float* lo,
                                                           const float* const* kv,
                                                           const float* const* score, int n_cand,
                                                           index_t c, int j0, const double* pre,
-                                                          const float* mx) {
-  __m256 m8 = _mm256_set1_ps(kNegBig);
-  for (int j = 0; j < n_cand; ++j) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(score[j] + c));
-  const __m256i same =
-      _mm256_cmpeq_epi32(_mm256_castps_si256(m8), _mm256_castps_si256(_mm256_loadu_ps(mx + c)));
-  if (_mm256_movemask_epi8(same) != -1) return false;
+                                                          const float* mp, const float* mx) {
+  __m256 m8;
+  if (!pool_max_kept(score, n_cand, c, j0, mp, mx, m8)) return false;
   __m256d l0 = _mm256_loadu_pd(pre + 2 * c), l1 = _mm256_loadu_pd(pre + 2 * c + 4);
   __m256d a0 = _mm256_loadu_pd(pre + 2 * c + 8), a1 = _mm256_loadu_pd(pre + 2 * c + 12);
   pool_sums<true>(l0, l1, a0, a1, kv, score, std::min(j0, n_cand), n_cand, c,
