@@ -44,7 +44,10 @@
 // of 2^-267, the smallest BF16 product halved, so none is subnormal; |x| 2^895 < 2^1023). The
 // fields of a non-finite w give a finite double, so the certificate needs finite norms to trust s'
 // (the contract below: a row with an Inf or a NaN has norm +Inf, as bf16_norm_bound gives it). The
-// AVX-512 tier runs the AVX2 kernel (a 512-bit one is left for a host where it can be measured).
+// AVX-512 tier runs the AVX2 kernel: a 512-bit port (8U lanes, the same widening) measured slower
+// on Zen 4, which splits 512-bit operations in two (2 tokens × 4 rows of 4096, in cache: 9.8k
+// cycles against 7.2k; 16 rows 23.4k against 22.6k; 2026-12-08, docs/compressors.md); a CPU with
+// full-width AVX-512 units may gain, and that is left for one where it can be measured.
 // Scalar and other targets: golden's order (bf16_rows_gather_dots_exact). Neither throws or
 // allocates; the AVX2 kernel's scratch is on the stack (20 KB).
 

@@ -513,11 +513,14 @@ struct backend_ops_compressor {
   // (ws.mx, ws.ls), so the bound costs an exp per written candidate and channel only. The repaired
   // state values are golden's, and they stay in the pool. A row with a non-finite y is not checked
   // (its policy is the kernel's). Opt-in (CompressorWeights::row_norms): on steps that close
-  // windows, one thread, its cost is under the 5 % budget for CSA, HCA and the inner compressor
-  // (Zen 3, AVX2, 2026-12-07, sixteenth session: +3.6 %, +4.3 % and +4.7 % of the step in the
-  // check, over 17 draws of the live windows; inner's wall time +4.1 to +5.1 %); on two threads the
-  // requests' tails run at once where they are independent, on lanes that help each other
-  // (for_requests). Cost and rates: docs/compressors.md ("Rounding accuracy").
+  // windows, one thread, its cost is under the 5 % budget for CSA, HCA and the inner compressor on
+  // the AVX2 tier (Zen 3, 2026-12-07, sixteenth session: +3.6 %, +4.3 % and +4.7 % of the step,
+  // counted in the kernel over 17 draws of the live windows; inner's wall time +4.1 to +5.1 %),
+  // and above it on the avx512 tier, whose vdpbf16ps projections make the unchecked step faster
+  // while the repairs' double dots are not (Zen 4, 2026-12-08: +5.4 %, +5.6 % and +6.7 %; the
+  // inner compressor's dots alone 4.1 % there); on two threads the requests' tails run at once
+  // where they are independent, on lanes that help each other (for_requests). Cost and rates:
+  // docs/compressors.md ("Rounding accuracy").
   static constexpr int kMaxChannels = 32;     // listed channels per row; past that, every part
   static constexpr int kRhoParts = 64;        // parts per round of the repairs for ρ, at most
   static constexpr double kRhoMargin = 0.95;  // a round aims at this fraction of rho_clear's ρ
