@@ -225,9 +225,9 @@ constexpr index_t ws_round(index_t n) {
 // tails (state rows, pooling, check, emit) touch no state block or cache slot that another one
 // writes run on up to this many lanes at once, each with its own part of the workspace.
 inline constexpr index_t kCompressorLanes = 8;
-// One lane's part (floats): the pooled, y, z, y_lo, softmax max and sum rows and the listing's
-// flags (head_dim each), the check's two bounds (2 head_dim each), the pooling's kept sums (2
-// head_dim doubles) and the repairs' flags (2 head_dim bytes).
+// One lane's part (floats): the pooled, y, z, y_lo, softmax max and sum rows, the pooling's kept
+// max and the listing's flags (head_dim each), the check's two bounds (2 head_dim each), the
+// pooling's kept sums (2 head_dim doubles) and the repairs' flags (2 head_dim bytes).
 constexpr index_t compressor_lane_size(const CompressorSpec& spec) {
   return 8 * ws_round(spec.head_dim) + 2 * ws_round(2 * spec.head_dim) +
          ws_round(4 * spec.head_dim) + ws_round(spec.head_dim / 2);
