@@ -1080,18 +1080,15 @@ TEST(CompressorTiers, Avx2PoolResumeIsThePoolingsBits) {
   if (!td::cpu::cpu_has_avx2()) GTEST_SKIP() << "no AVX2 on this CPU";
   namespace avx2 = td::cpu::avx2;
   expect_pool_resume_is_the_poolings_bits(
-      [](float* hi, float* lo, const float* const* kv, const float* const* sc, int n, index_t c0,
-         index_t c1, float* mx, float* ls, double* pre, float* mp, int j0) {
-        avx2::compressor_pool_channels(hi, lo, kv, sc, n, c0, c1, mx, ls, pre, mp, j0);
-      },
+      [](auto... args) { avx2::compressor_pool_channels(args...); },
       [](auto... args) { return avx2::compressor_pool_resume(args...); });
 #else
   GTEST_SKIP() << "AVX2 is x86 only";
 #endif
 }
 
-// The same for the AVX-512 pooling (its own layout of the kept sums); its bits are avx2's
-// (BitIdenticalAcrossTiers).
+// The same for the AVX-512 pooling (its own layout of the kept sums; no next window to prefetch);
+// its bits are avx2's (BitIdenticalAcrossTiers).
 TEST(CompressorTiers, Avx512PoolResumeIsThePoolingsBits) {
 #if TILEDECODE_X86
   if (!td::cpu::cpu_has_avx512()) GTEST_SKIP() << "no AVX-512 F/BW/VL/VNNI/BF16 on this CPU";
